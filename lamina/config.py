@@ -1,0 +1,31 @@
+"""Engine settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory_gb: float | None = None  # explicit KV budget; default on CPU: 2 GiB
+    num_kv_blocks: int | None = None  # exact pool size (tests)
+    seed: int = 0
+    enforce_eager: bool = False
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

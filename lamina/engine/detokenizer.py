@@ -1,0 +1,38 @@
+"""Incremental detokenization: turns each new token into text without ever emitting a broken character.
+
+Decoding a single token alone loses the spaces and multi-byte characters that span tokens, so each step
+decodes a short window [prefix_offset:] and [prefix_offset:read_offset] and emits the difference, waiting
+while the text ends in U+FFFD (an incomplete UTF-8 sequence).
+"""
+from __future__ import annotations
+
+from lamina.engine.request import DetokState
+
+# Prompt tokens kept as left context so the first output token decodes with its leading space.
+_CONTEXT = 6
+
+
+def initial_state(num_prompt_tokens: int) -> DetokState:
+    return DetokState(prefix_offset=max(num_prompt_tokens - _CONTEXT, 0), read_offset=num_prompt_tokens)
+
+
+class Detokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def step(self, state: DetokState, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """Advances `state` over token_ids (prompt + output so far); returns the newly complete text."""
+        prefix = self.decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
+        full = self.decode(token_ids[state.prefix_offset:], skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+            state.text += new
+            return new
+        return ""
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,212 @@
+"""LLMEngine: requests in, one scheduled forward per step, tokens and text out.
+
+Every exit path of a sequence (finish, abort, error) goes through Scheduler.finish, which returns its
+blocks; preemption returns them too and the sequence is recomputed later.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lamina.cache.block_allocator import BlockAllocator
+from lamina.cache.kv_cache import KVCache
+from lamina.config import EngineConfig
+from lamina.engine.detokenizer import Detokenizer, initial_state
+from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
+from lamina.engine.memory import plan_kv_blocks, resolve_device, resolve_dtype
+from lamina.engine.request import RequestGroup, Sequence, SeqStatus
+from lamina.engine.runner import ModelRunner
+from lamina.engine.sampler import Sampler
+from lamina.engine.scheduler import Scheduler, SchedulerOutput
+from lamina.engine.stop import apply_stop_strings, check_token_stop
+from lamina.models.loader import load_model, load_tokenizer, read_config, resolve_source
+from lamina.outputs import CompletionOutput, RequestOutput
+from lamina.sampling_params import SamplingParams
+
+log = logging.getLogger("lamina")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        source = resolve_source(config.model)
+        self.model_config, reader = read_config(source)
+        self.tokenizer = load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer)
+        max_pos = max(self.model_config.max_position_embeddings, config.max_model_len or 0)
+        self.model = load_model(source, self.model_config, reader, self.dtype, self.device, max_pos, progress)
+        del reader
+        bs = config.block_size
+        num_blocks = plan_kv_blocks(config, KVCache.bytes_per_block(self.model, bs, self.dtype), self.device)
+        self.kv_cache = KVCache(self.model, num_blocks, bs, self.dtype, self.device)
+        pool_tokens = num_blocks * bs
+        if config.max_model_len is not None and config.max_model_len > pool_tokens:
+            raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV pool ({pool_tokens} tokens)")
+        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, pool_tokens)
+        log.info("KV pool: %d blocks x %d = %d tokens", num_blocks, bs, pool_tokens)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, bs, self.device)
+        self.eos_token_ids = self._eos_ids()
+        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.groups: dict[str, RequestGroup] = {}
+        self._seq_ids = itertools.count()
+
+    def _eos_ids(self) -> list[int]:
+        ids = list(self.model_config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)):
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
+        """Validates and queues a request; raises ValueError (and changes nothing) on bad input."""
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token must fit)")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(next(self._seq_ids), request_id, i, list(ids), len(ids), params, seed, max_tokens,
+                           initial_state(len(ids)), logprobs=[] if params.logprobs is not None else None,
+                           wants_prompt_logprobs=params.prompt_logprobs is not None and i == 0,
+                           prompt_logprobs=[] if params.prompt_logprobs is not None and i == 0 else None)
+            seqs.append(seq)
+        group = RequestGroup(request_id, text, seqs)
+        self.groups[request_id] = group
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return self._output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.num_free,
+                           self.allocator.num_blocks)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Cannot happen while every admitted prompt fits the pool; fail loudly rather than spin.
+                raise RuntimeError("scheduler made no progress with an empty running set")
+            return []
+        touched: dict[str, RequestGroup] = {}
+        try:
+            self._run(sched, touched)
+        except Exception as exc:  # a failure inside the model fails this step's requests, not the engine
+            log.exception("engine step failed")
+            for item in sched.scheduled:
+                group = self.groups.get(item.seq.request_id)
+                if group is not None:
+                    group.error = f"{type(exc).__name__}: {exc}"
+                    for seq in group.seqs:
+                        if not seq.finished:
+                            seq.finish_reason = "error"
+                            self.scheduler.finish(seq)
+                    touched[group.request_id] = group
+        outputs = []
+        for rid, group in touched.items():
+            outputs.append(self._output(group))
+            if group.finished:
+                self.groups.pop(rid, None)
+        return outputs
+
+    def _run(self, sched: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
+        batch = self.runner.prepare(sched.scheduled)
+        logits = self.runner.execute(batch)
+        sampled = [s.seq for s in sched.scheduled if s.sample]
+        result = self.sampler(logits[batch.sample_rows], sampled) if sampled else None
+        now = time.monotonic()
+        for item, (row0, nrows) in zip(sched.scheduled, batch.logits_rows):
+            seq = item.seq
+            if seq.needs_prompt_logprobs():
+                rows = logits[row0:row0 + nrows]
+                prompt_logprobs_for_chunk(seq, rows, seq.num_computed_tokens, seq.params.prompt_logprobs,
+                                          self.detokenizer)
+            seq.num_computed_tokens += item.num_tokens
+            touched[seq.request_id] = self.groups[seq.request_id]
+        for row, seq in enumerate(sampled):
+            token = result.token_ids[row]
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.logprobs is not None:
+                seq.logprobs.append(sample_logprobs(result, row, token, self.detokenizer))
+                seq.cumulative_logprob += result.chosen_logprobs[row]
+            check_token_stop(seq, token, self.eos_token_ids, self.max_model_len)
+            new = self.detokenizer.step(seq.detok, seq.token_ids, seq.params.skip_special_tokens)
+            apply_stop_strings(seq, len(new))
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, s.output_token_ids, s.cumulative_logprob if s.logprobs is not None
+                                 else None, s.logprobs, s.finish_reason, s.stop_reason) for s in group.seqs]
+        first = group.seqs[0]
+        metrics = {"arrival_time": group.arrival_time}
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
+                             first.prompt_logprobs, 0, group.error, metrics)
+
+
+def _tokenizer_from(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

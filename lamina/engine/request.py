@@ -1,0 +1,86 @@
+"""Sequence: one sample of a request (a request with n > 1 has n of them), and its group."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from lamina.outputs import PositionLogprobs
+from lamina.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class DetokState:
+    prefix_offset: int
+    read_offset: int
+    text: str = ""  # all output text decoded so far (before any stop-string cut)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt followed by output tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int | None
+    max_tokens: int
+    detok: DetokState
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""  # output text safe to show (stop strings cut, partial stop-string prefixes held back)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    wants_prompt_logprobs: bool = False
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are computed once, on the first pass over the prompt (not after a preemption)."""
+        return self.wants_prompt_logprobs and self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

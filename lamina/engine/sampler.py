@@ -1,0 +1,122 @@
+"""Batched sampling with per-row parameters: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Everything is tensor ops over the batch (no per-request host sync) except drawing noise for seeded rows.
+A seeded row's noise depends only on (seed, output index), so its output does not depend on what else
+shares the batch, and a preempted sequence that is recomputed draws the same tokens again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.engine.request import Sequence
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    chosen_logprobs: list[float] | None  # logprob of each sampled token (raw model distribution)
+    chosen_ranks: list[int] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+def _row_seed(seed: int, step: int) -> int:
+    return ((seed * _MIX) ^ (step * 0xBF58476D1CE4E5B9) ^ 0x94D049BB133111EB) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition (HF: prompt + output), presence and frequency (OpenAI: output only) penalties, in place."""
+    dev, v = logits.device, logits.shape[1]
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(seq.token_ids)), device=dev, dtype=torch.long)
+            vals = logits[row, ids]
+            logits[row, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            out = torch.tensor(seq.output_token_ids, device=dev, dtype=torch.long)
+            counts = torch.zeros(v, device=dev).scatter_add_(0, out, torch.ones_like(out, dtype=torch.float))
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _ban_stops_below_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos: list[int]) -> None:
+    for row, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.params.min_tokens:
+            banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else eos)
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Masks tokens outside top-k / top-p / min-p with -inf (rows where a filter is off are untouched)."""
+    v = logits.shape[1]
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).clamp(max=v)
+        ranks = torch.arange(v, device=logits.device)[None]
+        drop = ranks >= k[:, None]
+        probs = sorted_logits.softmax(dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        drop |= cum_before > top_p[:, None]  # keeps the smallest set reaching top_p (at least one token)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
+        self.eos = eos_token_ids
+        self.generator_seed = seed
+        self._gens: dict[torch.device, torch.Generator] = {}
+
+    def _noise(self, seqs: list[Sequence], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """Exp(1) noise; argmax(probs / noise) is a draw from probs (the exponential race)."""
+        if device not in self._gens:
+            self._gens[device] = torch.Generator(device=device).manual_seed(self.generator_seed)
+        q = torch.empty(shape, device=device).exponential_(generator=self._gens[device])
+        for row, seq in enumerate(seqs):
+            if seq.seed is not None:
+                g = torch.Generator(device=device).manual_seed(_row_seed(seq.seed, seq.num_output_tokens))
+                q[row].exponential_(generator=g)
+        return q
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        logits = logits.float()
+        dev = logits.device
+        num_lp = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+        raw_logprobs = logits.log_softmax(dim=-1) if num_lp is not None else None
+        logits = logits.clone()
+        _penalize(logits, seqs)
+        _ban_stops_below_min_tokens(logits, seqs, self.eos)
+
+        temps = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        greedy = temps == 0
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+            scaled = _filter(
+                scaled,
+                torch.tensor([s.params.top_k for s in seqs], device=dev),
+                torch.tensor([s.params.top_p for s in seqs], device=dev),
+                torch.tensor([s.params.min_p for s in seqs], device=dev),
+            )
+            probs = scaled.softmax(dim=-1)
+            sampled = (probs / self._noise(seqs, tuple(probs.shape), dev)).argmax(dim=-1)
+            tokens = torch.where(greedy, tokens, sampled)
+
+        out = SamplerOutput(tokens.tolist(), None, None, None, None)
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, tokens[:, None])
+            out.chosen_logprobs = chosen[:, 0].tolist()
+            out.chosen_ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+            if num_lp > 0:
+                top_lp, top_ids = raw_logprobs.topk(num_lp, dim=-1)
+                out.top_ids, out.top_logprobs = top_ids.tolist(), top_lp.tolist()
+        return out

@@ -1,0 +1,108 @@
+"""Continuous batching: each step, decode tokens of running sequences plus prefill chunks, under a token budget.
+
+Running sequences go first (in arrival order), then waiting ones. When the KV pool runs dry, the most
+recently admitted sequence is preempted: its blocks are freed and it is recomputed later from its prompt
+plus the tokens it already produced, so its output is unchanged.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from lamina.cache.block_allocator import BlockAllocator
+from lamina.engine.request import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    sample: bool  # whether this chunk reaches the end, so a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.allocator, self.block_size = allocator, block_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        total = (seq.num_computed_tokens + n + self.block_size - 1) // self.block_size
+        return max(0, total - len(seq.block_table))
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        need = self._blocks_needed(seq, n)
+        if need > self.allocator.num_free:
+            return False
+        seq.block_table += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Returns a sequence's blocks to the pool (every exit path goes through here)."""
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._grow(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+                budget -= n
+                i += 1
+        # New sequences only when nothing was preempted this step (avoids thrashing the pool).
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence from whichever queue holds it and frees its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release(seq)
+        seq.status = SeqStatus.FINISHED

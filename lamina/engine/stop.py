@@ -1,0 +1,47 @@
+"""Stop conditions: stop token ids, EOS, stop strings, length; and how much text is safe to show."""
+from __future__ import annotations
+
+from lamina.engine.request import Sequence
+
+
+def check_token_stop(seq: Sequence, token: int, eos: list[int], max_model_len: int) -> None:
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return
+        if not p.ignore_eos and token in eos:
+            seq.finish_reason = "stop"
+            return
+    if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len:
+        seq.finish_reason = "length"
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that could still grow into a stop string."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+def apply_stop_strings(seq: Sequence, new_text_len: int) -> None:
+    """Updates seq.text from seq.detok.text, cutting at the first stop string that appeared."""
+    full, stops = seq.detok.text, seq.params.stop
+    if stops and seq.finish_reason is None and seq.num_output_tokens >= seq.params.min_tokens:
+        longest = max(len(s) for s in stops)
+        start = max(0, len(full) - new_text_len - longest + 1)
+        hits = [(full.find(s, start), s) for s in stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            idx, s = min(hits)
+            seq.finish_reason, seq.stop_reason = "stop", s
+            seq.text = full[: idx + (len(s) if seq.params.include_stop_str_in_output else 0)]
+            return
+    if seq.finish_reason is not None or not stops:
+        seq.text = full
+    else:
+        seq.text = full[: len(full) - _held_back(full, stops)]

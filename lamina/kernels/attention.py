@@ -1,0 +1,112 @@
+"""Paged attention over the KV pool: KV store, and attention for a flat varlen batch.
+
+The batch is a flat list of tokens from several sequences (no padding). Sequence b owns query rows
+[query_start[b], query_start[b+1]) and, after this step's K/V are stored, seq_lens[b] tokens of context in
+the blocks its block table names; its queries sit at the last query_len positions of that context.
+Decode is the special case query_len == 1 for every sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.kernels.dispatch import use_triton
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: flat slot (block * block_size + offset) of each new token
+    query_start: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. Slots < 0 are skipped (padding)."""
+    kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
+    vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    if use_triton(k):
+        from lamina.kernels.triton_attention import store_kv_triton
+
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, L, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, L, S] True = attend. fp32 math (the oracle)."""
+    b, l, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.float().view(b, l, hkv, hq // hkv, d)
+    scores = torch.einsum("blhgd,bshd->bhgls", qg, k.float()) * scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgls,bshd->blhgd", probs, v.float())
+    return out.reshape(b, l, hq, v.shape[-1]).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """[B, n_blocks*block_size, H, D] view of the context held in each row's first n_blocks blocks."""
+    blocks = cache[block_table[:, :n_blocks].long()]  # [B, n, bs, H, D]
+    return blocks.flatten(1, 2)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, Dv], reading all K/V (this step's included) from the pool."""
+    bs = k_cache.shape[1]
+    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    qs, lens = meta.query_start_cpu, meta.seq_lens_cpu
+    decode = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1]
+    groups = [decode] if decode else []
+    groups += [[i] for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > 1]
+    for rows in groups:
+        # Decode rows share one batched gather; each prefill runs alone (its query length differs).
+        idx = torch.tensor(rows, device=q.device)
+        qlen = qs[rows[0] + 1] - qs[rows[0]]
+        max_len = max(lens[i] for i in rows)
+        n_blocks = (max_len + bs - 1) // bs
+        k = _gather(k_cache, meta.block_tables.index_select(0, idx), n_blocks)
+        v = _gather(v_cache, meta.block_tables.index_select(0, idx), n_blocks)
+        seq_len = torch.tensor([lens[i] for i in rows], device=q.device)
+        key_pos = torch.arange(n_blocks * bs, device=q.device)
+        q_pos = seq_len[:, None] - qlen + torch.arange(qlen, device=q.device)[None]  # [B, L]
+        mask = (key_pos[None, None] <= q_pos[:, :, None])
+        if sliding_window is not None:
+            mask &= key_pos[None, None] > q_pos[:, :, None] - sliding_window
+        q_rows = torch.cat([q[qs[i]:qs[i + 1]] for i in rows]).view(len(rows), qlen, *q.shape[1:])
+        res = _attend(q_rows, k, v, mask, scale)
+        if len(rows) == 1:
+            out[qs[rows[0]]:qs[rows[0] + 1]] = res[0]
+        else:
+            out[torch.tensor([qs[i] for i in rows], device=q.device)] = res[:, 0]
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    if use_triton(q):
+        from lamina.kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)

@@ -1,0 +1,83 @@
+"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, params) and .chat(messages, params)."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from lamina.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.models.loader import DEFAULT_MODEL
+from lamina.outputs import RequestOutput
+from lamina.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, progress: bool = True, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
+                 = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # leave the engine as it was: nothing half-queued
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in wanted - done.keys():
+                self.engine.abort_request(rid)
+        return [done[rid] for rid in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content", ""), (str, list)):
+            raise ValueError("each message needs a 'role' and a string 'content'")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)

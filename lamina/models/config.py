@@ -1,0 +1,68 @@
+"""ModelConfig: an HF config.json or GGUF metadata normalized into per-layer specs for the one model loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LayerSpec:
+    """What one decoder layer is made of. mixer: "attention" (full or sliding); ffn: "dense"."""
+
+    mixer: str = "attention"
+    ffn: str = "dense"
+    sliding_window: int | None = None
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layers: list[LayerSpec]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def attention_layer_ids(self) -> list[int]:
+        return [i for i, s in enumerate(self.layers) if s.mixer == "attention"]
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * len(self.attention_layer_ids()) * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either transformers 5's `rope_parameters` or the older rope_theta/rope_scaling."""
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+def eos_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [int(value)]

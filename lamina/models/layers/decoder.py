@@ -1,0 +1,45 @@
+"""One decoder layer: norm -> mixer -> residual -> norm -> FFN -> residual, built from a LayerSpec.
+
+The residual add is fused into the following norm, so each layer takes and returns (hidden, residual).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lamina.kernels.attention import AttentionMetadata
+from lamina.models.config import LayerSpec, ModelConfig
+from lamina.models.layers.attention import Attention
+from lamina.models.layers.mlp import GatedMLP
+from lamina.models.layers.norm import RMSNorm
+
+
+def build_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+    if spec.mixer == "attention":
+        return Attention(cfg, spec)
+    raise ValueError(f"unsupported mixer kind {spec.mixer!r}")
+
+
+def build_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+    if spec.ffn == "dense":
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    raise ValueError(f"unsupported FFN kind {spec.ffn!r}")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = build_mixer(cfg, spec)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = build_ffn(cfg, spec)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual

