@@ -1,0 +1,324 @@
+"""Triton paged attention: KV store, split-K decode (flash-decoding) and varlen paged prefill.
+
+Layouts follow lamina.kernels.attention: q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; a sequence's
+queries are the last query_len positions of its seq_lens[b] tokens of context. Every kernel reads the
+per-sequence numbers (query_start, seq_lens, block tables) from device tensors, and grids depend only on
+shapes and host-side counts, so decode launches can be captured in a CUDA graph and replayed with other
+context lengths.
+
+Both attention kernels are GQA-aware: one program owns one KV head and packs all G = Hq/Hkv query heads
+that share it into the rows of its Q tile, so each K/V tile is read once for the whole group.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_heads,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    blk = slot // PAGE
+    off = slot % PAGE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (h < num_heads)[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m)
+    tl.store(kc_ptr + blk * stride_kcb + off * stride_kct + h[:, None] * stride_kch + d[None, :],
+             k.to(kc_ptr.dtype.element_ty), mask=m)
+    dv = tl.arange(0, BLOCK_DV)
+    mv = (h < num_heads)[:, None] & (dv < DV)[None, :]
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + dv[None, :], mask=mv)
+    tl.store(vc_ptr + blk * stride_vcb + off * stride_vct + h[:, None] * stride_vch + dv[None, :],
+             v.to(vc_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask, allowed, scale_log2,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One online-softmax step over BLOCK_N keys gathered through the block table (exp2 domain)."""
+    # Keys past the context are masked on every load: unused cache slots may hold anything, NaN included.
+    blk = tl.load(bt_row_ptr + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+    slot = (kpos % PAGE).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
+    k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kmask[None, :] & (d < D)[:, None], other=0.0)
+    s = tl.dot(qt, k.to(qt.dtype), input_precision=DOT_PREC) * scale_log2
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row can see no key yet (sliding window, padded rows): keep exp2 away from (-inf) - (-inf).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    dv = tl.arange(0, BLOCK_DV)
+    v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
+    v = tl.load(vc_ptr + v_off[:, None] + dv[None, :], mask=kmask[:, None] & (dv < DV)[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, bt_ptr, seq_lens_ptr, qs_ptr,
+                   scale_log2, window, num_splits, num_q_heads,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
+                   SLIDING: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qs_ptr + b)
+    if tl.load(qs_ptr + b + 1) - q_start != 1:  # a prefill row of a mixed batch: the prefill kernel owns it
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_start = 0
+    if SLIDING:
+        ctx_start = tl.maximum(seq_len - window, 0)
+    # The split length is computed here from the device seq_len, so one grid serves any context length.
+    chunk = tl.cdiv(tl.cdiv(seq_len - ctx_start, num_splits), BLOCK_N) * BLOCK_N
+    start = ctx_start + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, G_PAD)
+    row_ok = g < G
+    qh = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    q_off = q_start.to(tl.int64) * stride_qt + qh * stride_qh
+    qt = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_DV], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for kstart in range(start, end, BLOCK_N):
+        kpos = kstart + n
+        kmask = kpos < end
+        m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask,
+                                     kmask[None, :], scale_log2,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC)
+    dv = tl.arange(0, BLOCK_DV)
+    if DIRECT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = q_start.to(tl.int64) * stride_ot + qh * stride_oh
+        tl.store(o_ptr + o_off[:, None] + dv[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv < DV)[None, :])
+    else:
+        # Empty splits still write (m=-inf, l=0, acc=0) so the reduce never reads stale workspace.
+        p_idx = (b.to(tl.int64) * num_q_heads + qh) * num_splits + split
+        tl.store(pm_ptr + p_idx, m_i, mask=row_ok)
+        tl.store(pl_ptr + p_idx, l_i, mask=row_ok)
+        tl.store(po_ptr + p_idx[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv < DV)[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr, qs_ptr, num_q_heads, stride_ot, stride_oh,
+                          DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    qh = tl.program_id(1)
+    q_start = tl.load(qs_ptr + b)
+    if tl.load(qs_ptr + b + 1) - q_start != 1:
+        return
+    sp = tl.arange(0, NUM_SPLITS)
+    base = (b.to(tl.int64) * num_q_heads + qh) * NUM_SPLITS
+    m = tl.load(pm_ptr + base + sp)
+    l = tl.load(pl_ptr + base + sp)
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(w * l, 0)
+    dv = tl.arange(0, BLOCK_DV)
+    acc = tl.load(po_ptr + (base + sp)[:, None] * DV + dv[None, :], mask=(dv < DV)[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(o_ptr + q_start.to(tl.int64) * stride_ot + qh * stride_oh + dv, out.to(o_ptr.dtype.element_ty),
+             mask=dv < DV)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num_seqs, scale_log2, window,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, SLIDING: tl.constexpr,
+                    SKIP_DECODE: tl.constexpr, DOT_PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # Sequence b's query tiles are numbered from query_start[b] // BLOCK_Q + b: monotone in b and at most
+    # T // BLOCK_Q + B tiles in all, so the grid needs only host shapes; a binary search finds b.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qs_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = tl.load(qs_ptr + b)
+    qlen = tl.load(qs_ptr + b + 1) - q_start
+    qb = tile - (q_start // BLOCK_Q + b)
+    if qb * BLOCK_Q >= qlen:
+        return
+    if SKIP_DECODE:
+        if qlen == 1:
+            return
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - qlen
+
+    r = tl.arange(0, BLOCK_M)
+    tok = qb * BLOCK_Q + r // G_PAD
+    qh = kvh * G + r % G_PAD
+    row_ok = (tok < qlen) & (r % G_PAD < G)
+    q_pos = prefix + tok
+    d = tl.arange(0, BLOCK_D)
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + qh * stride_qh
+    qt = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+
+    kv_end = prefix + tl.minimum(qlen, (qb + 1) * BLOCK_Q)
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(prefix + qb * BLOCK_Q - window + 1, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for kstart in range(kv_start, kv_end, BLOCK_N):
+        kpos = kstart + n
+        kmask = kpos < kv_end
+        allowed = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            allowed = allowed & (kpos[None, :] > q_pos[:, None] - window)
+        m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
+                                     scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                     stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    dv = tl.arange(0, BLOCK_DV)
+    o_off = (q_start + tok).to(tl.int64) * stride_ot + qh * stride_oh
+    tl.store(o_ptr + o_off[:, None] + dv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dv < DV)[None, :])
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. Slots < 0 are skipped (padding)."""
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    t, h, d = k.shape
+    dv = v.shape[-1]
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, h, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), D=d, DV=dv, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_DV=triton.next_power_of_2(dv), PAGE=k_cache.shape[1], num_warps=4 if h * d >= 2048 else 2)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits of the context per (sequence, KV head): about two waves of programs on the chip.
+
+    Depends only on the batch shape, never on context lengths, so a captured decode graph stays valid
+    when the same batch size is replayed with longer contexts.
+    """
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    want = -(-2 * sms // max(num_seqs * num_kv_heads, 1))
+    return min(MAX_SPLITS, triton.next_power_of_2(want))
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 tensors get exact fp32 dots; Triton's default for them would be tf32 (~3e-4 relative error).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+                           scale: float, sliding_window: int | None = None, *, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, decode_block_n: int | None = None,
+                           decode_stages: int = 2, poison_workspace: bool = False) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, Dv]. The keyword-only arguments exist for tests and tuning sweeps."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    t, hq, d = q.shape
+    hkv, dv, page = k_cache.shape[2], v_cache.shape[-1], k_cache.shape[1]
+    g = hq // hkv
+    if out is None:
+        out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
+    b = meta.num_seqs
+    if t == 0 or b == 0:
+        return out
+    qs_cpu = meta.query_start_cpu
+    if meta.is_decode_only:
+        have_decode, have_prefill = True, False
+    else:
+        qlens = [qs_cpu[i + 1] - qs_cpu[i] for i in range(b)]
+        have_decode, have_prefill = 1 in qlens, meta.max_query_len > 1
+    sliding = sliding_window is not None and sliding_window > 0
+    window = int(sliding_window) if sliding else 0
+    scale_log2 = float(scale) * _LOG2E
+    block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
+    bt, seq_lens, qs = meta.block_tables, meta.seq_lens, meta.query_start
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    prec = _dot_prec(q.dtype)
+    big = max(block_d, block_dv) > 128 or q.dtype == torch.float32
+
+    if have_decode:
+        splits = num_splits or decode_num_splits(b, hkv, q.device)
+        block_n = decode_block_n or (32 if big else 64)
+        g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs M >= 16; decode is bound by K/V bytes
+        if splits > 1:
+            alloc = functools.partial(torch.full, fill_value=float("nan")) if poison_workspace else torch.empty
+            po = alloc((b, hq, splits, dv), dtype=torch.float32, device=q.device)
+            pm = alloc((b, hq, splits), dtype=torch.float32, device=q.device)
+            pl = alloc((b, hq, splits), dtype=torch.float32, device=q.device)
+        else:
+            po = pm = pl = out  # unused when DIRECT
+        _decode_kernel[(b, hkv, splits)](
+            q, k_cache, v_cache, out, po, pm, pl, bt, seq_lens, qs, scale_log2, window, splits, hq,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
+            G=g, G_PAD=g_pad, BLOCK_N=block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page,
+            SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, num_warps=4, num_stages=decode_stages)
+        if splits > 1:
+            _decode_reduce_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1),
+                                           DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, num_warps=4)
+    if have_prefill:
+        g_pad = triton.next_power_of_2(g)
+        block_m = max(64 if big else 128, g_pad)
+        block_q = block_m // g_pad
+        block_n = 32 if big else 64
+        grid = (t // block_q + b, hkv)
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out, bt, seq_lens, qs, b, scale_log2, window,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
+            G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d,
+            DV=dv, BLOCK_DV=block_dv, PAGE=page, SLIDING=sliding, SKIP_DECODE=have_decode, DOT_PREC=prec,
+            num_warps=8 if block_m >= 128 or big else 4, num_stages=2)
+    return out
