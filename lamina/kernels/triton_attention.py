@@ -50,7 +50,7 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_heads,
 def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask, allowed, scale_log2,
                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
+                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, MASK: tl.constexpr):
     """One online-softmax step over BLOCK_N keys gathered through the block table (exp2 domain)."""
     # Keys past the context are masked on every load: unused cache slots may hold anything, NaN included.
     blk = tl.load(bt_row_ptr + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
@@ -59,7 +59,8 @@ def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask
     k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
     k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kmask[None, :] & (d < D)[:, None], other=0.0)
     s = tl.dot(qt, k.to(qt.dtype), input_precision=DOT_PREC) * scale_log2
-    s = tl.where(allowed, s, float("-inf"))
+    if MASK:
+        s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row can see no key yet (sliding window, padded rows): keep exp2 away from (-inf) - (-inf).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -73,7 +74,9 @@ def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask
     return m_new, l_i, acc
 
 
-@triton.jit
+# Per-batch integers are not specialized on (value 1, divisibility by 16): a new batch size or window must
+# not trigger a recompile, least of all while a CUDA graph is being captured.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, bt_ptr, seq_lens_ptr, qs_ptr,
                    scale_log2, window, num_splits, num_q_heads,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -92,7 +95,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, bt_ptr,
     if SLIDING:
         ctx_start = tl.maximum(seq_len - window, 0)
     # The split length is computed here from the device seq_len, so one grid serves any context length.
-    chunk = tl.cdiv(tl.cdiv(seq_len - ctx_start, num_splits), BLOCK_N) * BLOCK_N
+    per_split = (seq_len - ctx_start + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = ctx_start + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -114,7 +118,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, bt_ptr,
         m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask,
                                      kmask[None, :], scale_log2,
                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC)
+                                     D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, True)
     dv = tl.arange(0, BLOCK_DV)
     if DIRECT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -151,7 +155,7 @@ def _decode_reduce_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr, qs_ptr, num_q_heads, st
              mask=dv < DV)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num_seqs, scale_log2, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -159,7 +163,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
                     BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
                     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, SLIDING: tl.constexpr,
                     SKIP_DECODE: tl.constexpr, DOT_PREC: tl.constexpr):
-    tile = tl.program_id(0)
+    # Last tiles first: they see the most keys, and starting them early shortens the tail.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     # Sequence b's query tiles are numbered from query_start[b] // BLOCK_Q + b: monotone in b and at most
     # T // BLOCK_Q + B tiles in all, so the grid needs only host shapes; a binary search finds b.
@@ -201,7 +206,19 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for kstart in range(kv_start, kv_end, BLOCK_N):
+    # Whole key tiles before the tile's first query are visible to every row: no causal mask there
+    # (nor any mask without a sliding window), which spares the elementwise work on most tiles.
+    full_end = kv_start + (prefix + qb * BLOCK_Q - kv_start) // BLOCK_N * BLOCK_N
+    for kstart in range(kv_start, full_end, BLOCK_N):
+        kpos = kstart + n
+        kmask = kpos < kv_end
+        allowed = kmask[None, :]
+        if SLIDING:
+            allowed = kpos[None, :] > q_pos[:, None] - window
+        m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
+                                     scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                     stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, SLIDING)
+    for kstart in range(full_end, kv_end, BLOCK_N):
         kpos = kstart + n
         kmask = kpos < kv_end
         allowed = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
@@ -209,7 +226,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
             allowed = allowed & (kpos[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
                                      scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                     stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC)
+                                     stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, True)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     dv = tl.arange(0, BLOCK_DV)
     o_off = (q_start + tok).to(tl.int64) * stride_ot + qh * stride_oh
@@ -253,6 +270,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     return min(MAX_SPLITS, triton.next_power_of_2(want))
 
 
+def _tiles(dtype: torch.dtype, d_max: int) -> tuple[int, int, int, int, int]:
+    """(prefill BLOCK_M, BLOCK_N, warps, decode BLOCK_N, warps): the largest tiles that did not spill
+    (ptxas -v for sm_90, Triton 3.6, with the runtime's 16-alignment specialization)."""
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units and keep both operands in registers
+        return (64, 32, 8, 32, 4) if d_max <= 64 else (32, 16, 4, 32, 8) if d_max <= 128 else (16, 16, 4, 16, 8)
+    return (128, 64, 8, 64, 4) if d_max <= 128 else (64, 32, 8, 32, 4)
+
+
 def _dot_prec(dtype: torch.dtype) -> str:
     # fp32 tensors get exact fp32 dots; Triton's default for them would be tf32 (~3e-4 relative error).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -261,7 +286,8 @@ def _dot_prec(dtype: torch.dtype) -> str:
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                            scale: float, sliding_window: int | None = None, *, out: torch.Tensor | None = None,
                            num_splits: int | None = None, decode_block_n: int | None = None,
-                           decode_stages: int = 2, poison_workspace: bool = False) -> torch.Tensor:
+                           decode_warps: int | None = None, decode_stages: int = 2,
+                           poison_workspace: bool = False) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, Dv]. The keyword-only arguments exist for tests and tuning sweeps."""
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -288,11 +314,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     prec = _dot_prec(q.dtype)
-    big = max(block_d, block_dv) > 128 or q.dtype == torch.float32
+    pf_m, pf_n, pf_warps, dec_n, dec_warps = _tiles(q.dtype, max(block_d, block_dv))
 
     if have_decode:
         splits = num_splits or decode_num_splits(b, hkv, q.device)
-        block_n = decode_block_n or (32 if big else 64)
+        block_n = decode_block_n or dec_n
         g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs M >= 16; decode is bound by K/V bytes
         if splits > 1:
             alloc = functools.partial(torch.full, fill_value=float("nan")) if poison_workspace else torch.empty
@@ -305,20 +331,20 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q, k_cache, v_cache, out, po, pm, pl, bt, seq_lens, qs, scale_log2, window, splits, hq,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
             G=g, G_PAD=g_pad, BLOCK_N=block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page,
-            SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, num_warps=4, num_stages=decode_stages)
+            SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, num_warps=decode_warps or dec_warps,
+            num_stages=decode_stages)
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1),
                                            DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, num_warps=4)
     if have_prefill:
         g_pad = triton.next_power_of_2(g)
-        block_m = max(64 if big else 128, g_pad)
+        block_m = max(pf_m, g_pad)
         block_q = block_m // g_pad
-        block_n = 32 if big else 64
         grid = (t // block_q + b, hkv)
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, bt, seq_lens, qs, b, scale_log2, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
-            G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d,
+            G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=pf_n, D=d, BLOCK_D=block_d,
             DV=dv, BLOCK_DV=block_dv, PAGE=page, SLIDING=sliding, SKIP_DECODE=have_decode, DOT_PREC=prec,
-            num_warps=8 if block_m >= 128 or big else 4, num_stages=2)
+            num_warps=pf_warps, num_stages=2)
     return out

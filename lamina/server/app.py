@@ -1,0 +1,118 @@
+"""The FastAPI app: OpenAI-compatible routes, vLLM's /tokenize and /detokenize, /health and /metrics."""
+from __future__ import annotations
+
+import copy
+import secrets
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from lamina.engine.async_engine import AsyncEngine
+from lamina.engine.engine import LLMEngine
+from lamina.server.chat import chat_prompt, create_chat_completion
+from lamina.server.completions import create_completion
+from lamina.server.errors import APIError, bad_request, install_error_handlers
+from lamina.server.metrics import ServerMetrics
+from lamina.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from lamina.server.responses import ModelCard, ModelList
+from lamina.server.serving import ServerState
+
+
+def make_state(engine: LLMEngine, model_names: list[str], api_key: str | None = None) -> ServerState:
+    """Wraps an engine for serving; the AsyncEngine starts with the app (lifespan)."""
+    metrics = ServerMetrics(model_names[0])
+    return ServerState(engine=AsyncEngine(engine, observer=metrics), tokenizer=copy.deepcopy(engine.tokenizer),
+                       model_names=model_names, model_root=engine.config.model, max_model_len=engine.max_model_len,
+                       vocab_size=engine.model_config.vocab_size, metrics=metrics, api_key=api_key)
+
+
+class _ErrorCounter:
+    """Counts error responses for /metrics. Plain ASGI: Starlette's BaseHTTPMiddleware would get between
+    StreamingResponse and the disconnect it listens for."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.on_http_error(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.engine.shutdown()
+
+    app = FastAPI(title="lamina", lifespan=lifespan)
+    app.state.lamina = state
+    install_error_handlers(app)
+    app.add_middleware(_ErrorCounter, metrics=state.metrics)
+
+    async def check_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError("Incorrect API key provided.", 401, code="invalid_api_key")
+
+    api = APIRouter(dependencies=[Depends(check_key)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.engine.is_running else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @api.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=state.model_root, max_model_len=state.max_model_len)
+                               for name in state.model_names])
+
+    @api.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(req, raw, state)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(req, raw, state)
+
+    @api.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages")
+        if req.messages is not None:
+            if not req.messages:
+                raise bad_request("messages must not be empty", "messages")
+            ids = chat_prompt(state, [{"role": m.role, "content": m.text()} for m in req.messages],
+                              req.add_generation_prompt)
+        else:
+            ids = state.encode(req.prompt, req.add_special_tokens)
+        strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    @api.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        state.check_model(req.model)
+        if not all(0 <= t < state.vocab_size for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {state.vocab_size})", "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
+
+    app.include_router(api)
+    return app

@@ -1,0 +1,105 @@
+"""POST /v1/chat/completions: the model's chat template turns the messages into one prompt with n samples."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from starlette.background import BackgroundTask
+
+from lamina.llm import chat_prompt_ids
+from lamina.outputs import CompletionOutput
+from lamina.server.errors import bad_request
+from lamina.server.protocol import ChatCompletionRequest
+from lamina.server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessageOut,
+                                     ChatStreamChoice, Delta, Usage, chat_logprobs)
+from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, ServerState, abort_unfinished,
+                                   collect, error_event, merge, sse, start_requests)
+
+
+def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    try:
+        return chat_prompt_ids(state.tokenizer, messages, add_generation_prompt)
+    except (ValueError, TypeError, KeyError, TemplateError) as e:  # templates raise on roles they reject
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
+    state.check_model(req.model)
+    req.check_supported()
+    ids = chat_prompt(state, req.template_messages(), req.add_generation_prompt)
+    max_tokens = req.max_output_tokens
+    state.check_length(len(ids), max_tokens, "messages")
+    params = req.sampling_params(max_tokens, req.num_logprobs)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await start_requests(state, [ids], params, request_id)
+    if req.stream:
+        return StreamingResponse(_stream(req, state, streams, request_id, len(ids)),
+                                 media_type="text/event-stream", headers=SSE_HEADERS,
+                                 background=BackgroundTask(abort_unfinished, state, streams))
+    try:
+        (out,) = await collect(raw, state, streams)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = []
+    for comp in out.outputs:
+        lp = None
+        if req.logprobs and comp.logprobs is not None:
+            lp = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0)
+        choices.append(ChatChoice(index=comp.index, message=ChatMessageOut(content=comp.text), logprobs=lp,
+                                  finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+    usage = Usage.of(len(ids), sum(len(c.token_ids) for c in out.outputs))
+    body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
+    return JSONResponse(body.model_dump())
+
+
+@dataclass
+class _Sent:
+    text: int = 0
+    tokens: int = 0
+    done: bool = False
+
+
+def _delta(req: ChatCompletionRequest, comp: CompletionOutput, sent: _Sent) -> ChatStreamChoice | None:
+    n_tok = len(comp.token_ids)
+    text = comp.text[sent.text:]
+    lp = None
+    if req.logprobs and comp.logprobs is not None and n_tok > sent.tokens:
+        # Bound by the token count: the engine thread may already have appended the next position.
+        lp = chat_logprobs(comp.token_ids[sent.tokens:], comp.logprobs[sent.tokens:n_tok], req.top_logprobs or 0)
+    finish = comp.finish_reason
+    if not text and lp is None and finish is None:
+        return None
+    sent.text, sent.tokens, sent.done = len(comp.text), n_tok, finish is not None
+    return ChatStreamChoice(index=comp.index, delta=Delta(content=text or None), logprobs=lp,
+                            finish_reason=finish, stop_reason=comp.stop_reason)
+
+
+async def _stream(req: ChatCompletionRequest, state: ServerState, streams, request_id: str, num_prompt: int):
+    created = int(time.time())
+
+    def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
+                                       usage=usage))
+
+    sent = {i: _Sent() for i in range(req.n)}
+    final = None
+    try:
+        # OpenAI opens every choice with the role before any content.
+        yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(req.n)])
+        async for _, out in merge(streams):
+            final = out
+            choices = [c for c in (_delta(req, comp, sent[comp.index]) for comp in out.outputs
+                                   if not sent[comp.index].done) if c is not None]
+            if choices:
+                yield chunk(choices)
+        if req.include_usage and final is not None:
+            yield chunk([], Usage.of(num_prompt, sum(len(c.token_ids) for c in final.outputs)))
+    except Exception as exc:  # headers are out: report in-band, then end the stream cleanly
+        yield error_event(exc)
+    finally:
+        abort_unfinished(state, streams)
+    yield SSE_DONE

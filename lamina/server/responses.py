@@ -1,0 +1,161 @@
+"""Response bodies of the OpenAI-compatible API, and the conversion of engine logprobs into their shapes."""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from lamina.outputs import Logprob, PositionLogprobs
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "lamina"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def _chosen(pos: PositionLogprobs, token_id: int) -> Logprob:
+    return pos[token_id]
+
+
+def _top(pos: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
+    """The n best entries of a position, best first (the chosen token is listed only if it is among them)."""
+    ranked = [(tid, lp) for tid, lp in pos.items() if lp.rank is not None and lp.rank <= n]
+    return sorted(ranked, key=lambda x: x[1].rank)
+
+
+def _tok(lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else ""
+
+
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num: int,
+                        start_offset: int) -> CompletionLogprobs:
+    """Legacy completions shape; text_offset counts from start_offset (the text already sent)."""
+    out = CompletionLogprobs()
+    offset = start_offset
+    for tid, pos in zip(token_ids, positions):
+        chosen = _chosen(pos, tid)
+        token = _tok(chosen)
+        out.tokens.append(token)
+        out.token_logprobs.append(chosen.logprob)
+        out.text_offset.append(offset)
+        offset += len(token)
+        top = {_tok(lp): lp.logprob for _, lp in _top(pos, num)}
+        top.setdefault(token, chosen.logprob)  # vLLM lists the sampled token too
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num: int) -> ChatLogprobs:
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        chosen = _chosen(pos, tid)
+        token = _tok(chosen)
+        top = [TopLogprob(token=_tok(lp), logprob=lp.logprob, bytes=list(_tok(lp).encode()))
+               for _, lp in _top(pos, num)]
+        content.append(ChatLogprobToken(token=token, logprob=chosen.logprob, bytes=list(token.encode()),
+                                        top_logprobs=top))
+    return ChatLogprobs(content=content)

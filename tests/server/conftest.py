@@ -1,0 +1,26 @@
+"""Fixtures of the server tests: one real `lamina serve` process for the session.
+
+Session-scoped because loading the model costs seconds on a 2-core CPU; every test leaves the server idle
+again (tests that could leave work behind assert it through wait_idle).
+"""
+from __future__ import annotations
+
+import pytest
+
+from server_helpers import start_server, stop_server
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = start_server([])
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=120)
