@@ -25,8 +25,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
                  = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: a string, a dict, or a bare list of token ids
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
