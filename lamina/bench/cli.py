@@ -1,7 +1,127 @@
-"""`lamina bench` (placeholder)."""
+"""`lamina bench throughput | latency | serve`: each lamina figure with its HF baseline from the same run."""
 from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+
+
+def _hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import os
+
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks")
-    p.set_defaults(func=lambda args: print("not yet implemented") or 1)
+    from lamina.cli import add_engine_args
+
+    bench = sub.add_parser("bench", help="benchmarks (offline throughput, latency, serving)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    tp = bsub.add_parser("throughput", help="offline throughput on random token-id prompts")
+    add_engine_args(tp)
+    tp.add_argument("--num-prompts", type=int, default=32)
+    tp.add_argument("--input-len", default="128", help="N or MIN:MAX (uniform)")
+    tp.add_argument("--output-len", default="128", help="N or MIN:MAX (uniform)")
+    tp.add_argument("--baseline", choices=["none", "hf"], default="none", help="also run HF transformers")
+    tp.add_argument("--hf-mode", choices=["generate", "generate_batch"], default=None,
+                    help="HF baseline: padded static batches, or continuous batching (default: GPU generate_batch, "
+                         "CPU generate)")
+    tp.add_argument("--hf-attn", default="sdpa", help="HF attn_implementation (sdpa, eager, paged|sdpa, ...)")
+    tp.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch size (default: all)")
+    tp.add_argument("--result-file", default=None)
+    tp.set_defaults(func=cmd_throughput)
+
+    lat = bsub.add_parser("latency", help="single-request TTFT and decode speed, with achieved bandwidth")
+    add_engine_args(lat)
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--baseline", choices=["none", "hf"], default="none")
+    lat.add_argument("--hf-attn", default="sdpa")
+    lat.add_argument("--result-file", default=None)
+    lat.set_defaults(func=cmd_latency)
+
+    try:
+        from lamina.bench.serve import add_serve_bench_parser
+    except ImportError:  # the serving client lands with the server
+        return
+    add_serve_bench_parser(bsub)
+
+
+def _report(result: dict, path: str | None) -> None:
+    print(json.dumps(result, indent=2))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from lamina.bench import hf_baseline
+    from lamina.bench.offline import run_throughput
+    from lamina.bench.workload import make_workload, parse_range
+    from lamina.cli import engine_kwargs
+    from lamina.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    eng = llm.engine
+    wl = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
+                       eng.model_config.vocab_size)
+    result = {"command": "throughput", "model": args.model, "hardware": _hardware(eng.device),
+              "dtype": str(eng.dtype), "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len, "prompt_tokens": wl.num_prompt_tokens,
+              "lamina": run_throughput(llm, wl)}
+    device, dtype = eng.device, eng.dtype
+    del llm, eng
+    if args.baseline == "hf":
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        mode = args.hf_mode or ("generate_batch" if device.type == "cuda" else "generate")
+        model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
+        if mode == "generate":
+            elapsed = hf_baseline.hf_generate_padded(model, wl, args.hf_batch_size or args.num_prompts, device)
+        else:
+            elapsed = hf_baseline.hf_generate_batch(model, wl, device)
+        out_tokens = sum(wl.output_lens) if mode == "generate_batch" else sum(
+            max(wl.output_lens[i:i + (args.hf_batch_size or args.num_prompts)]) * len(
+                wl.output_lens[i:i + (args.hf_batch_size or args.num_prompts)])
+            for i in range(0, args.num_prompts, args.hf_batch_size or args.num_prompts))
+        useful = sum(wl.output_lens)  # padded batches may generate more; only requested tokens count
+        result["hf"] = {"mode": mode, "attn": args.hf_attn, "elapsed_s": elapsed, "generated_tokens": out_tokens,
+                        "output_tok_s": useful / elapsed, "total_tok_s": (useful + wl.num_prompt_tokens) / elapsed}
+        result["ratio_output_tok_s"] = result["lamina"]["output_tok_s"] / result["hf"]["output_tok_s"]
+    _report(result, args.result_file)
+    return 0
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    from lamina.bench import hf_baseline
+    from lamina.bench.offline import copy_bandwidth, run_latency, weight_bytes_per_token
+    from lamina.bench.workload import make_workload
+    from lamina.cli import engine_kwargs
+    from lamina.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    eng = llm.engine
+    prompt = make_workload(1, (args.input_len,) * 2, (args.output_len,) * 2, eng.model_config.vocab_size).prompts[0]
+    lat = run_latency(llm, prompt, args.output_len, args.repeats)
+    wbytes = weight_bytes_per_token(eng.model)
+    bw = copy_bandwidth(eng.device)
+    achieved = wbytes * lat["decode_tok_s"]
+    result = {"command": "latency", "model": args.model, "hardware": _hardware(eng.device), "dtype": str(eng.dtype),
+              "input_len": args.input_len, "output_len": args.output_len, "lamina": lat,
+              "weight_bytes_per_token": wbytes, "measured_copy_bandwidth_GBs": bw / 1e9,
+              "achieved_weight_bandwidth_GBs": achieved / 1e9, "fraction_of_roofline": achieved / bw,
+              "roofline_tok_s": bw / wbytes}
+    device, dtype = eng.device, eng.dtype
+    del llm, eng
+    if args.baseline == "hf":
+        model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
+        result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)
+        result["ratio_decode_tok_s"] = lat["decode_tok_s"] / result["hf"]["decode_tok_s"]
+    _report(result, args.result_file)
+    return 0

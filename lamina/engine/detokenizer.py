@@ -21,6 +21,8 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:  # random-weight benchmark models have no tokenizer: token ids only
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def step(self, state: DetokState, token_ids: list[int], skip_special_tokens: bool) -> str:
@@ -35,4 +37,4 @@ class Detokenizer:
         return ""
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.decode([token_id], skip_special_tokens=False)

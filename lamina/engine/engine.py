@@ -87,6 +87,8 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompt_token_ids")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size

@@ -11,6 +11,7 @@ that share it into the rows of its Q tile, so each K/V tile is read once for the
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -259,23 +260,35 @@ def _num_sms(device_index: int) -> int:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits of the context per (sequence, KV head): about two waves of programs on the chip.
+    """Splits of the context per (sequence, KV head): about four programs per multiprocessor.
 
     Depends only on the batch shape, never on context lengths, so a captured decode graph stays valid
     when the same batch size is replayed with longer contexts.
     """
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
-    want = -(-2 * sms // max(num_seqs * num_kv_heads, 1))
+    want = -(-4 * sms // max(num_seqs * num_kv_heads, 1))
     return min(MAX_SPLITS, triton.next_power_of_2(want))
 
 
-def _tiles(dtype: torch.dtype, d_max: int) -> tuple[int, int, int, int, int]:
-    """(prefill BLOCK_M, BLOCK_N, warps, decode BLOCK_N, warps): the largest tiles that did not spill
-    (ptxas -v for sm_90, Triton 3.6, with the runtime's 16-alignment specialization)."""
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    prefill_block_m: int
+    prefill_block_n: int
+    prefill_warps: int
+    decode_block_n: int
+    decode_warps: int
+    prefill_stages: int = 2
+    decode_stages: int = 2
+
+
+def _tiles(dtype: torch.dtype, d_max: int) -> Tiles:
+    """Tile sizes that do not spill (ptxas -v for sm_90, Triton 3.6, with the runtime's 16-alignment
+    specialization); GPU_KERNELS.md has the sweeps behind the 16-bit defaults."""
     if dtype == torch.float32:  # exact fp32 dots run on FMA units and keep both operands in registers
-        return (64, 32, 8, 32, 4) if d_max <= 64 else (32, 16, 4, 32, 8) if d_max <= 128 else (16, 16, 4, 16, 8)
-    return (128, 64, 8, 64, 4) if d_max <= 128 else (64, 32, 8, 32, 4)
+        return Tiles(64, 32, 8, 32, 4) if d_max <= 64 else Tiles(32, 16, 4, 32, 8) if d_max <= 128 \
+            else Tiles(16, 16, 4, 16, 8)
+    return Tiles(128, 64, 8, 128, 4) if d_max <= 128 else Tiles(64, 32, 8, 32, 4)
 
 
 def _dot_prec(dtype: torch.dtype) -> str:
@@ -285,10 +298,10 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                            scale: float, sliding_window: int | None = None, *, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, decode_block_n: int | None = None,
-                           decode_warps: int | None = None, decode_stages: int = 2,
+                           num_splits: int | None = None, tune: dict[str, int] | None = None,
                            poison_workspace: bool = False) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, Dv]. The keyword-only arguments exist for tests and tuning sweeps."""
+    """q: [T, Hq, D] -> [T, Hq, Dv]. The keyword-only arguments exist for tests and tuning sweeps
+    (`tune` overrides fields of Tiles)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -314,11 +327,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     prec = _dot_prec(q.dtype)
-    pf_m, pf_n, pf_warps, dec_n, dec_warps = _tiles(q.dtype, max(block_d, block_dv))
+    tiles = dataclasses.replace(_tiles(q.dtype, max(block_d, block_dv)), **(tune or {}))
 
     if have_decode:
         splits = num_splits or decode_num_splits(b, hkv, q.device)
-        block_n = decode_block_n or dec_n
         g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs M >= 16; decode is bound by K/V bytes
         if splits > 1:
             alloc = functools.partial(torch.full, fill_value=float("nan")) if poison_workspace else torch.empty
@@ -330,21 +342,21 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _decode_kernel[(b, hkv, splits)](
             q, k_cache, v_cache, out, po, pm, pl, bt, seq_lens, qs, scale_log2, window, splits, hq,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
-            G=g, G_PAD=g_pad, BLOCK_N=block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page,
-            SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, num_warps=decode_warps or dec_warps,
-            num_stages=decode_stages)
+            G=g, G_PAD=g_pad, BLOCK_N=tiles.decode_block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
+            PAGE=page, SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, num_warps=tiles.decode_warps,
+            num_stages=tiles.decode_stages)
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1),
                                            DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, num_warps=4)
     if have_prefill:
         g_pad = triton.next_power_of_2(g)
-        block_m = max(pf_m, g_pad)
+        block_m = max(tiles.prefill_block_m, g_pad)
         block_q = block_m // g_pad
         grid = (t // block_q + b, hkv)
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, bt, seq_lens, qs, b, scale_log2, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
-            G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=pf_n, D=d, BLOCK_D=block_d,
+            G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.prefill_block_n, D=d, BLOCK_D=block_d,
             DV=dv, BLOCK_DV=block_dv, PAGE=page, SLIDING=sliding, SKIP_DECODE=have_decode, DOT_PREC=prec,
-            num_warps=pf_warps, num_stages=2)
+            num_warps=tiles.prefill_warps, num_stages=tiles.prefill_stages)
     return out

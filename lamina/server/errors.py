@@ -38,8 +38,13 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, param)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _loc_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    """'messages.0.role' from pydantic's location, without the branch tags a union adds ('list[int]')."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (p.isidentifier() and p.islower()
+                                                                and p not in _TYPE_TAGS)]
     return ".".join(parts) or None
 
 

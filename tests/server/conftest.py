@@ -24,3 +24,14 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def llm_engine():
+    """An in-process engine for the AsyncEngine and fault-injection tests (one AsyncEngine at a time)."""
+    from lamina.config import EngineConfig
+    from lamina.engine.engine import LLMEngine
+
+    from server_helpers import MAX_MODEL_LEN, MODEL
+
+    return LLMEngine(EngineConfig(model=MODEL, max_model_len=MAX_MODEL_LEN, num_kv_blocks=128), progress=False)

@@ -1,0 +1,89 @@
+"""HF transformers on the same workload: the baseline every lamina figure is compared with."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lamina.bench.workload import Workload
+
+
+def load_hf(model: str, dtype: torch.dtype, device: torch.device, attn: str):
+    import transformers
+
+    from lamina.models.loader import resolve_source
+
+    src = resolve_source(model)
+    kw = dict(dtype=dtype, attn_implementation=attn)
+    if src.kind == "random":
+        from lamina.models.presets import preset_config
+
+        cfg_dict = preset_config(src.preset)
+        arch = cfg_dict.pop("architectures")[0]
+        cfg = transformers.AutoConfig.for_model(_model_type(arch), **cfg_dict)
+        with torch.device(device):
+            m = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
+    elif src.kind == "gguf":
+        m = transformers.AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name, **kw)
+    else:
+        m = transformers.AutoModelForCausalLM.from_pretrained(str(src.path), **kw)
+    return m.to(device).eval()
+
+
+def _model_type(arch: str) -> str:
+    return {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "MistralForCausalLM": "mistral"}[arch]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def hf_generate_padded(model, wl: Workload, batch_size: int, device: torch.device) -> float:
+    """Static batches with left padding (plain `generate`); returns elapsed seconds."""
+    start = time.perf_counter()
+    for i in range(0, len(wl.prompts), batch_size):
+        chunk = wl.prompts[i:i + batch_size]
+        n_out = max(wl.output_lens[i:i + batch_size])
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for r, p in enumerate(chunk):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_out,
+                       min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_generate_batch(model, wl: Workload, device: torch.device, max_batch_tokens: int | None = None) -> float:
+    """HF's continuous batching (`generate_batch`, paged KV); returns elapsed seconds."""
+    from transformers import GenerationConfig
+
+    n_out = max(wl.output_lens)
+    cfg = GenerationConfig(max_new_tokens=n_out, do_sample=False, eos_token_id=-1, pad_token_id=0,
+                           use_cuda_graph=False, **({"max_batch_tokens": max_batch_tokens} if max_batch_tokens else {}))
+    start = time.perf_counter()
+    model.generate_batch(inputs=wl.prompts, generation_config=cfg, progress_bar=True)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_latency(model, prompt: list[int], output_len: int, device: torch.device) -> dict[str, float]:
+    ids = torch.tensor([prompt], device=device)
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+    _sync(device)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    _sync(device)
+    total = time.perf_counter() - start
+    return {"ttft_s": ttft, "decode_tok_s": (output_len - 1) / max(total - ttft, 1e-9)}

@@ -1,0 +1,79 @@
+"""lamina's side of `lamina bench throughput` and `lamina bench latency`."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lamina.bench.workload import Workload
+from lamina.sampling_params import SamplingParams
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_throughput(llm, wl: Workload) -> dict[str, float]:
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True, seed=i)
+              for i, n in enumerate(wl.output_lens)]
+    prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
+    sync(llm.engine.device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    sync(llm.engine.device)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert out_tokens == sum(wl.output_lens), "every request must produce exactly its output length"
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
+            "total_tok_s": (out_tokens + wl.num_prompt_tokens) / elapsed}
+
+
+def run_latency(llm, prompt: list[int], output_len: int, repeats: int = 3) -> dict[str, float]:
+    """Single request: time to first token and decode tokens/s (median of repeats)."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    ttfts, decode_rates = [], []
+    for r in range(repeats + 1):
+        rid = f"lat-{r}"
+        sync(eng.device)
+        start = time.perf_counter()
+        eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+        first = None
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if first is None and out.outputs[0].token_ids:
+                    first = time.perf_counter()
+        sync(eng.device)
+        end = time.perf_counter()
+        if r == 0:
+            continue  # warm-up (and CUDA graph capture)
+        ttfts.append(first - start)
+        decode_rates.append((output_len - 1) / (end - first))
+    ttfts.sort(), decode_rates.sort()
+    return {"ttft_s": ttfts[len(ttfts) // 2], "decode_tok_s": decode_rates[len(decode_rates) // 2]}
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter but the embedding table (one row is read)."""
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    if model.lm_head.weight is embed:  # tied: the table is read whole by lm_head
+        total += embed.numel() * embed.element_size()
+    return total
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Measured device copy bandwidth in bytes/s (bytes read + written), the roofline's ceiling."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 27)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    reps = 20 if device.type == "cuda" else 5
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * n * reps / (time.perf_counter() - start)

@@ -1,0 +1,25 @@
+"""Model shapes for benchmarks, loaded as `random:<name>`: an HF config with random weights (speed does not
+depend on weight values; no checkpoint needs to exist)."""
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, eos_token_id=151645, bos_token_id=151643),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, eos_token_id=151645, bos_token_id=151643),
+    "tiny-llama": dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=256, intermediate_size=768,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       max_position_embeddings=4096, eos_token_id=2, bos_token_id=1),
+}
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return dict(PRESETS[name])
