@@ -54,16 +54,29 @@ class LLMEngine:
         self.model = load_model(source, self.model_config, reader, self.dtype, self.device, max_pos, progress)
         del reader
         bs = config.block_size
-        num_blocks = plan_kv_blocks(config, KVCache.bytes_per_block(self.model, bs, self.dtype), self.device)
+        peak = 0
+        if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
+            from lamina.engine.profile import profile_peak_bytes
+
+            peak = profile_peak_bytes(self.model, config.max_num_batched_tokens, config.max_num_seqs, bs,
+                                      self.dtype, self.device)
+        num_blocks = plan_kv_blocks(config, KVCache.bytes_per_block(self.model, bs, self.dtype), self.device, peak)
         self.kv_cache = KVCache(self.model, num_blocks, bs, self.dtype, self.device)
         pool_tokens = num_blocks * bs
         if config.max_model_len is not None and config.max_model_len > pool_tokens:
             raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV pool ({pool_tokens} tokens)")
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, pool_tokens)
-        log.info("KV pool: %d blocks x %d = %d tokens", num_blocks, bs, pool_tokens)
+        log.warning("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
+                    num_blocks, bs, pool_tokens, num_blocks * KVCache.bytes_per_block(self.model, bs, self.dtype)
+                    / 2**30, peak / 2**30)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, bs, self.device)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from lamina.engine.cuda_graph import CudaGraphRunner
+
+            self.runner.graphs = CudaGraphRunner(self.model, config.max_num_seqs, self.max_model_len, bs, self.device)
+            self.runner.graphs.capture()
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -24,6 +24,7 @@ class ForwardBatch:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device) -> None:
         self.model, self.block_size, self.device = model, block_size, device
+        self.graphs = None  # a CudaGraphRunner once decode graphs are captured
 
     def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -77,4 +78,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] in fp32."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         return self.model(batch.input_ids, batch.positions, batch.attn, batch.logits_indices)

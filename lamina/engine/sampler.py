@@ -1,11 +1,13 @@
 """Batched sampling with per-row parameters: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Everything is tensor ops over the batch (no per-request host sync) except drawing noise for seeded rows.
-A seeded row's noise depends only on (seed, output index), so its output does not depend on what else
-shares the batch, and a preempted sequence that is recomputed draws the same tokens again.
+Everything is tensor ops over the whole batch; the only host sync is reading the sampled tokens back.
+Random draws come from a counter-based hash of (row key, vocab index), not from a stateful generator: a
+seeded row's key depends only on (seed, output index), so its output does not depend on what else shares
+the batch, and a preempted sequence that is recomputed draws the same tokens again.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +26,28 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None
 
 
-def _row_seed(seed: int, step: int) -> int:
-    return ((seed * _MIX) ^ (step * 0xBF58476D1CE4E5B9) ^ 0x94D049BB133111EB) & 0x7FFF_FFFF_FFFF_FFFF
+def _row_key(seed: int, step: int) -> int:
+    """A 32-bit key from (seed, step): splitmix64-style, on Python ints (exact, no overflow)."""
+    x = (seed * _MIX + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return (x ^ (x >> 31)) & 0xFFFF_FFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # int64 lanes holding 32-bit values; the multiplier is < 2^27 so products never overflow int64.
+    for _ in range(2):
+        x = x ^ (x >> 16)
+        x = (x * 0x45D9F3B) & 0xFFFF_FFFF
+    return x ^ (x >> 16)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [R, vocab], a pure function of each row's key and the token index."""
+    idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = _mix32(_mix32((idx[None] * 0x9E3779B1) & 0xFFFF_FFFF ^ keys[:, None]) ^ (keys[:, None] >> 7))
+    u = (x.float() + 0.5) * (1.0 / 4294967296.0)
+    return -torch.log(u)
 
 
 def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -51,10 +73,13 @@ def _ban_stops_below_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos:
                 logits[row, banned] = float("-inf")
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Masks tokens outside top-k / top-p / min-p with -inf (rows where a filter is off are untouched)."""
-    v = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    v, dev = logits.shape[1], logits.device
+    params = [s.params for s in seqs]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).clamp(max=v)
         ranks = torch.arange(v, device=logits.device)[None]
@@ -64,7 +89,8 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
         drop |= cum_before > top_p[:, None]  # keeps the smallest set reaching top_p (at least one token)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
@@ -73,19 +99,12 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
 class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
         self.eos = eos_token_ids
-        self.generator_seed = seed
-        self._gens: dict[torch.device, torch.Generator] = {}
+        self.rng = random.Random(seed)  # keys of unseeded rows
 
-    def _noise(self, seqs: list[Sequence], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    def _noise(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
         """Exp(1) noise; argmax(probs / noise) is a draw from probs (the exponential race)."""
-        if device not in self._gens:
-            self._gens[device] = torch.Generator(device=device).manual_seed(self.generator_seed)
-        q = torch.empty(shape, device=device).exponential_(generator=self._gens[device])
-        for row, seq in enumerate(seqs):
-            if seq.seed is not None:
-                g = torch.Generator(device=device).manual_seed(_row_seed(seq.seed, seq.num_output_tokens))
-                q[row].exponential_(generator=g)
-        return q
+        keys = [self.rng.getrandbits(32) if s.seed is None else _row_key(s.seed, s.num_output_tokens) for s in seqs]
+        return exponential_noise(torch.tensor(keys, dtype=torch.int64, device=device), vocab)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = logits.float()
@@ -96,19 +115,12 @@ class Sampler:
         _penalize(logits, seqs)
         _ban_stops_below_min_tokens(logits, seqs, self.eos)
 
-        temps = torch.tensor([s.params.temperature for s in seqs], device=dev)
-        greedy = temps == 0
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-            scaled = _filter(
-                scaled,
-                torch.tensor([s.params.top_k for s in seqs], device=dev),
-                torch.tensor([s.params.top_p for s in seqs], device=dev),
-                torch.tensor([s.params.min_p for s in seqs], device=dev),
-            )
-            probs = scaled.softmax(dim=-1)
-            sampled = (probs / self._noise(seqs, tuple(probs.shape), dev)).argmax(dim=-1)
+        if not all(s.params.greedy for s in seqs):
+            temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev)
+            greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+            probs = _filter(logits / temps[:, None], seqs).softmax(dim=-1)
+            sampled = (probs / self._noise(seqs, probs.shape[1], dev)).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
 
         out = SamplerOutput(tokens.tolist(), None, None, None, None)
