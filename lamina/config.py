@@ -18,6 +18,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size (tests)
     seed: int = 0
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:

@@ -1,7 +1,12 @@
-"""Reference-counted allocator over the fixed-size blocks of the KV pool."""
+"""Reference-counted allocator over the fixed-size blocks of the KV pool, with a prefix-cache index.
+
+A full block can be registered under the hash of its content chain. When its last owner lets go, a
+registered block is not wiped: it waits in an LRU list, still findable by hash, and is only reused for
+new data (evicted) when no never-cached block is left.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class NoFreeBlocks(RuntimeError):
@@ -13,31 +18,60 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_of)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        if n > self.num_free:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:  # evict the least recently used cached block
+                b, _ = self._evictable.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(b)]
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
     def share(self, block: int) -> None:
-        assert self.ref_counts[block] > 0, f"block {block} is not leased"
+        """Adds an owner: a sequence reusing a block that another holds or that waits in the cache."""
+        if self.ref_counts[block] == 0:
+            assert block in self._evictable, f"block {block} is neither leased nor cached"
+            del self._evictable[block]
         self.ref_counts[block] += 1
 
     def free(self, blocks: list[int]) -> None:
+        # Callers pass a block table tail-first, so a chain's tail is evicted before its shared head.
         for b in blocks:
             if self.ref_counts[b] <= 0:
                 raise AssertionError(f"double free of block {b}")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Makes a full, computed block findable by its content hash (first writer wins)."""
+        if block_hash not in self._by_hash and block not in self._hash_of:
+            self._by_hash[block_hash] = block
+            self._hash_of[block] = block_hash

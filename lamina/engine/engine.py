@@ -14,6 +14,8 @@ import torch
 
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.kv_cache import KVCache
+from lamina.cache.prefix_cache import PrefixCache
+from lamina.cache.state_pool import StatePool
 from lamina.config import EngineConfig
 from lamina.engine.detokenizer import Detokenizer, initial_state
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
@@ -53,6 +55,9 @@ class LLMEngine:
         max_pos = max(self.model_config.max_position_embeddings, config.max_model_len or 0)
         self.model = load_model(source, self.model_config, reader, self.dtype, self.device, max_pos, progress)
         del reader
+        # Hybrid models: state slots for every sequence that can run (allocated before the KV pool is sized,
+        # so on CUDA the KV budget sees the memory they take).
+        self.state_pool = StatePool.for_model(self.model, config.max_num_seqs, self.dtype, self.device)
         bs = config.block_size
         peak = 0
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
@@ -70,9 +75,16 @@ class LLMEngine:
                     num_blocks, bs, pool_tokens, num_blocks * KVCache.bytes_per_block(self.model, bs, self.dtype)
                     / 2**30, peak / 2**30)
         self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs, config.max_num_batched_tokens)
+        self.prefix_cache = None
+        if config.enable_prefix_caching and self.state_pool is None:
+            # Recurrent state cannot be rolled back to a prefix: hybrid models need state snapshots first.
+            self.prefix_cache = PrefixCache(self.allocator, bs)
+        self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.state_pool.allocator if self.state_pool is not None else None,
+                                   self.prefix_cache)
         self.runner = ModelRunner(self.model, bs, self.device)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Decode graphs do not yet carry state-pool slots (the reference GDN kernels loop on the host).
+        if self.device.type == "cuda" and not config.enforce_eager and self.state_pool is None:
             from lamina.engine.cuda_graph import CudaGraphRunner
 
             self.runner.graphs = CudaGraphRunner(self.model, config.max_num_seqs, self.max_model_len, bs, self.device)
@@ -195,6 +207,7 @@ class LLMEngine:
                 prompt_logprobs_for_chunk(seq, rows, seq.num_computed_tokens, seq.params.prompt_logprobs,
                                           self.detokenizer)
             seq.num_computed_tokens += item.num_tokens
+            self.scheduler.register_computed(seq)
             touched[seq.request_id] = self.groups[seq.request_id]
         for row, seq in enumerate(sampled):
             token = result.token_ids[row]
@@ -218,7 +231,7 @@ class LLMEngine:
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
-                             first.prompt_logprobs, 0, group.error, metrics)
+                             first.prompt_logprobs, first.num_cached_tokens, group.error, metrics)
 
 
 def _tokenizer_from(path: str):

@@ -36,6 +36,10 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # state-pool slot (hybrid models), leased while admitted
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of full blocks
+    num_registered_blocks: int = 0  # blocks of block_table already offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""  # output text safe to show (stop strings cut, partial stop-string prefixes held back)

@@ -1,13 +1,12 @@
 """Batched sampling with per-row parameters: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Everything is tensor ops over the whole batch; the only host sync is reading the sampled tokens back.
-Random draws come from a counter-based hash of (row key, vocab index), not from a stateful generator: a
-seeded row's key depends only on (seed, output index), so its output does not depend on what else shares
-the batch, and a preempted sequence that is recomputed draws the same tokens again.
+A seeded row's draws come from a counter-based hash of (seed, output index, vocab index), not from a
+stateful generator, so its output does not depend on what else shares the batch, and a preempted
+sequence that is recomputed draws the same tokens again.
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +44,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [R, vocab], a pure function of each row's key and the token index."""
     idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    x = _mix32(_mix32((idx[None] * 0x9E3779B1) & 0xFFFF_FFFF ^ keys[:, None]) ^ (keys[:, None] >> 7))
+    x = _mix32(((idx[None] * 0x9E3779B1) & 0xFFFF_FFFF) ^ keys[:, None])
     u = (x.float() + 0.5) * (1.0 / 4294967296.0)
     return -torch.log(u)
 
@@ -99,12 +98,22 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
         self.eos = eos_token_ids
-        self.rng = random.Random(seed)  # keys of unseeded rows
+        self.seed = seed
+        self._gens: dict[torch.device, torch.Generator] = {}
 
     def _noise(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
-        """Exp(1) noise; argmax(probs / noise) is a draw from probs (the exponential race)."""
-        keys = [self.rng.getrandbits(32) if s.seed is None else _row_key(s.seed, s.num_output_tokens) for s in seqs]
-        return exponential_noise(torch.tensor(keys, dtype=torch.int64, device=device), vocab)
+        """Exp(1) noise; argmax(probs / noise) is a draw from probs (the exponential race). Unseeded rows
+        draw from the engine's generator (cheapest); seeded rows from the hash of (seed, output index)."""
+        if device not in self._gens:
+            self._gens[device] = torch.Generator(device=device).manual_seed(self.seed)
+        noise = torch.empty(len(seqs), vocab, device=device).exponential_(generator=self._gens[device])
+        seeded = [i for i, s in enumerate(seqs) if s.seed is not None]
+        if seeded:
+            keys = torch.tensor([_row_key(seqs[i].seed, seqs[i].num_output_tokens) for i in seeded],
+                                dtype=torch.int64, device=device)
+            rows = torch.tensor(seeded, device=device)
+            noise.index_copy_(0, rows, exponential_noise(keys, vocab))
+        return noise
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = logits.float()

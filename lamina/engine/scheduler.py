@@ -10,6 +10,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from lamina.cache.block_allocator import BlockAllocator
+from lamina.cache.prefix_cache import PrefixCache
+from lamina.cache.slot_allocator import SlotAllocator
 from lamina.engine.request import Sequence, SeqStatus
 
 
@@ -32,8 +34,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, state_slots: SlotAllocator | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.allocator, self.block_size = allocator, block_size
+        self.prefix_cache = prefix_cache
+        # Hybrid models: each running sequence also leases a state-pool slot (admitted -> released).
+        self.state_slots = state_slots
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -63,9 +69,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Returns a sequence's blocks to the pool (every exit path goes through here)."""
-        self.allocator.free(seq.block_table)
+        """Returns a sequence's blocks and state slot to the pools (every exit path goes through here)."""
+        self.allocator.free(seq.block_table[::-1])  # tail first: evicted before the shared head
         seq.block_table = []
+        seq.num_registered_blocks = 0
+        if seq.state_slot is not None:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = None
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -88,15 +98,38 @@ class Scheduler:
         # New sequences only when nothing was preempted this step (avoids thrashing the pool).
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.state_slots is not None and self.state_slots.num_free == 0:
+                break  # no more sequences than state slots (checked before blocks are taken)
+            hit = self._reuse_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._grow(seq, n):
+                if hit:  # undo the reuse; the sequence stays first in line
+                    self.allocator.free(seq.block_table[::-1])
+                    seq.block_table, seq.num_computed_tokens = [], 0
                 break
+            if hit is not None:
+                self.prefix_cache.count(seq, hit)
             self.waiting.popleft()
+            if self.state_slots is not None:
+                seq.state_slot = self.state_slots.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _reuse_prefix(self, seq: Sequence) -> int | None:
+        """Starts a fresh sequence after its longest cached prefix; returns the tokens reused (None: the
+        cache was not consulted)."""
+        if self.prefix_cache is None or seq.num_computed_tokens or seq.needs_prompt_logprobs():
+            return None  # prompt logprobs need every prompt position computed
+        seq.block_table = self.prefix_cache.match(seq)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def register_computed(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.register_computed(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence from whichever queue holds it and frees its blocks."""

@@ -1,0 +1,99 @@
+"""Prefix caching (dense models): outputs with the cache equal outputs without it; hits counted; all freed."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lamina import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def make(path, cache: bool, **kw) -> LLM:
+    kw = {"dtype": "float32", "device": "cpu", "block_size": 4, "num_kv_blocks": 256, "progress": False,
+          "enable_prefix_caching": cache, **kw}
+    return LLM(model=str(path), **kw)
+
+
+def shared_prefix_prompts(n_groups=3, per_group=4, prefix_len=22, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_groups):
+        prefix = [rng.randrange(100, 40000) for _ in range(prefix_len)]  # 22: ends inside a 4-token block
+        out += [{"prompt_token_ids": prefix + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 9))]}
+                for _ in range(per_group)]
+    return out
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def all_free(llm):
+    a = llm.engine.allocator
+    return a.num_free == a.num_blocks and not llm.engine.groups
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_shared_prefixes_concurrent_and_sequential(checkpoints, family):
+    prompts = shared_prefix_prompts()
+    off = tokens(make(checkpoints[family], False).generate(prompts, GREEDY, use_tqdm=False))
+    llm = make(checkpoints[family], True)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == off  # concurrent: hits within the batch
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)  # sequential: everything but the tail is cached
+    assert tokens(again) == off
+    assert all(o.num_cached_tokens >= 20 for o in again)
+    pc = llm.engine.prefix_cache
+    assert pc.hit_tokens > 0 and pc.hit_tokens <= pc.queried_tokens
+    assert all_free(llm)
+
+
+def test_multi_turn_conversation(checkpoints):
+    on, off = make(checkpoints["qwen3"], True), make(checkpoints["qwen3"], False)
+    history_on = history_off = [7, 8, 9, 10, 11]
+    computed_before = 0  # tokens whose KV the previous turn computed (all but its last sampled token)
+    for turn in range(4):
+        a = on.generate({"prompt_token_ids": history_on}, GREEDY, use_tqdm=False)[0]
+        b = off.generate({"prompt_token_ids": history_off}, GREEDY, use_tqdm=False)[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        # The previous turn's prompt and reply are reused up to their last full block.
+        assert a.num_cached_tokens == min(computed_before // 4, (len(history_on) - 1) // 4) * 4
+        computed_before = len(history_on) + len(a.outputs[0].token_ids) - 1
+        user = [1000 + turn * 10 + i for i in range(5)]
+        history_on = history_on + a.outputs[0].token_ids + user
+        history_off = history_off + b.outputs[0].token_ids + user
+    assert all_free(on)
+
+
+def test_eviction_under_a_small_pool(checkpoints):
+    prompts = shared_prefix_prompts(n_groups=6, per_group=3, prefix_len=30, seed=3)
+    off = tokens(make(checkpoints["llama"], False, num_kv_blocks=40, max_num_batched_tokens=32).generate(
+        prompts, GREEDY, use_tqdm=False))
+    llm = make(checkpoints["llama"], True, num_kv_blocks=40, max_num_batched_tokens=32)
+    for _ in range(2):  # the second round finds some prefixes evicted, some not
+        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == off
+    assert llm.engine.allocator.num_cached <= 40
+    assert all_free(llm)
+
+
+def test_hit_counts_exact(checkpoints):
+    llm = make(checkpoints["llama"], True)
+    p = list(range(2000, 2019))  # 19 tokens: 4 full blocks, 3 in the tail
+    llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)
+    pc = llm.engine.prefix_cache
+    assert (pc.queried_tokens, pc.hit_tokens) == (19, 0)
+    out = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 16 and pc.hit_tokens == 16
+    # A prompt that is exactly block-aligned keeps its last block to compute (logits are needed).
+    q = list(range(3000, 3016))
+    llm.generate({"prompt_token_ids": q}, GREEDY, use_tqdm=False)
+    assert llm.generate({"prompt_token_ids": q}, GREEDY, use_tqdm=False)[0].num_cached_tokens == 12
+
+
+def test_prompt_logprobs_bypass_the_cache(checkpoints):
+    llm = make(checkpoints["llama"], True)
+    p = {"prompt_token_ids": list(range(2000, 2019))}
+    llm.generate(p, GREEDY, use_tqdm=False)
+    out = llm.generate(p, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == 19 and out.prompt_logprobs[18] is not None
