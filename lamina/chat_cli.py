@@ -17,6 +17,7 @@ def add_chat_parser(sub) -> None:
 
 def stream_reply(engine, request_id: str, prompt_ids: list[int], params, out=sys.stdout) -> str:
     """Runs one request to completion, writing its text as it grows; returns the whole text."""
+    engine.stream_outputs = True
     engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
     shown = 0
     text = ""

@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV pool size (default CPU: 2 GiB)")
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of shared prompt prefixes")
     p.add_argument("--seed", type=int, default=0, help="seed of the unseeded-request generator")
 
 
@@ -32,7 +34,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager, seed=args.seed)
+                kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager, seed=args.seed,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

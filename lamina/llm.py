@@ -18,6 +18,7 @@ Prompt = str | list[int] | dict[str, Any]
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, progress: bool = True, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress=progress)
+        self.engine.stream_outputs = False  # generate() returns finished requests only
         self._ids = itertools.count()
 
     def get_tokenizer(self):

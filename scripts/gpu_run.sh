@@ -8,7 +8,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (gguf), c
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-[ -d .gpu_b/tok ] && export LAMINA_TEST_TOKENIZER=$PWD/.gpu_b/tok
+[ -d .gpu_a/tok ] && export LAMINA_TEST_TOKENIZER=$PWD/.gpu_a/tok
 if [ -f .gpu_a/part_aa ] && [ -f .gpu_b/part_ab ]; then  # the real SmolLM2 GGUF, carried in two halves
   cat .gpu_a/part_aa .gpu_b/part_ab > /tmp/smollm2.gguf && export LAMINA_SMOLLM2_GGUF=/tmp/smollm2.gguf
 fi

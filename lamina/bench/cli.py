@@ -55,6 +55,15 @@ def add_bench_parser(sub) -> None:
     add_serve_bench_parser(bsub)
 
 
+def _free_device(device: torch.device) -> None:
+    """Returns lamina's weights, KV pool and graph pools before the baseline loads its own."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _report(result: dict, path: str | None) -> None:
     print(json.dumps(result, indent=2))
     if path:
@@ -80,8 +89,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     device, dtype = eng.device, eng.dtype
     del llm, eng
     if args.baseline == "hf":
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _free_device(device)
         mode = args.hf_mode or ("generate_batch" if device.type == "cuda" else "generate")
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
         if mode == "generate":
@@ -134,6 +142,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     device, dtype = eng.device, eng.dtype
     del llm, eng
     if args.baseline == "hf":
+        _free_device(device)
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
         result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)
         result["ratio_decode_tok_s"] = lat["decode_tok_s"] / result["hf"]["decode_tok_s"]

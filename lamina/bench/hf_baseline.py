@@ -59,7 +59,6 @@ def hf_generate_padded(model, wl: Workload, batch_size: int, device: torch.devic
     return time.perf_counter() - start
 
 
-@torch.inference_mode()
 def hf_generate_batch(model, wl: Workload, device: torch.device, max_batch_tokens: int | None = None) -> float:
     """HF's continuous batching (`generate_batch`, paged KV); returns elapsed seconds."""
     from transformers import GenerationConfig
@@ -67,6 +66,7 @@ def hf_generate_batch(model, wl: Workload, device: torch.device, max_batch_token
     n_out = max(wl.output_lens)
     cfg = GenerationConfig(max_new_tokens=n_out, do_sample=False, eos_token_id=-1, pad_token_id=0,
                            use_cuda_graph=False, **({"max_batch_tokens": max_batch_tokens} if max_batch_tokens else {}))
+    # No inference_mode here: generate_batch updates its static tensors in place from a worker thread.
     start = time.perf_counter()
     model.generate_batch(inputs=wl.prompts, generation_config=cfg, progress_bar=True)
     _sync(device)

@@ -39,7 +39,8 @@ def run_latency(llm, prompt: list[int], output_len: int, repeats: int = 3) -> di
         rid = f"lat-{r}"
         sync(eng.device)
         start = time.perf_counter()
-        eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+        # A different first token each repeat, so the prefix cache cannot serve the prompt.
+        eng.add_request(rid, {"prompt_token_ids": [prompt[0] + r + 1] + prompt[1:]}, params)
         first = None
         while eng.has_unfinished_requests():
             for out in eng.step():

@@ -36,5 +36,16 @@ class Detokenizer:
             return new
         return ""
 
+    def flush(self, state: DetokState, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """At the end of a sequence: emits whatever is left, even an incomplete character (as U+FFFD)."""
+        if state.read_offset >= len(token_ids):
+            return ""
+        prefix = self.decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
+        full = self.decode(token_ids[state.prefix_offset:], skip_special_tokens)
+        new = full[len(prefix):] if full.startswith(prefix) else full
+        state.prefix_offset = state.read_offset = len(token_ids)
+        state.text += new
+        return new
+
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)

@@ -94,6 +94,9 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self._seq_ids = itertools.count()
+        # Streaming callers (the server, chat) want every step's progress; offline batch generation only
+        # wants finished requests, which saves building outputs and decoding text on every step.
+        self.stream_outputs = True
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -189,8 +192,10 @@ class LLMEngine:
                     touched[group.request_id] = group
         outputs = []
         for rid, group in touched.items():
-            outputs.append(self._output(group))
-            if group.finished:
+            finished = group.finished
+            if finished or self.stream_outputs:
+                outputs.append(self._output(group))
+            if finished:
                 self.groups.pop(rid, None)
         return outputs
 
@@ -218,7 +223,12 @@ class LLMEngine:
                 seq.logprobs.append(sample_logprobs(result, row, token, self.detokenizer))
                 seq.cumulative_logprob += result.chosen_logprobs[row]
             check_token_stop(seq, token, self.eos_token_ids, self.max_model_len)
-            new = self.detokenizer.step(seq.detok, seq.token_ids, seq.params.skip_special_tokens)
+            skip = seq.params.skip_special_tokens
+            new = ""
+            if self.stream_outputs or seq.params.stop:  # else the text is decoded once, at the end
+                new = self.detokenizer.step(seq.detok, seq.token_ids, skip)
+            if seq.finish_reason is not None:
+                new += self.detokenizer.flush(seq.detok, seq.token_ids, skip)
             apply_stop_strings(seq, len(new))
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)

@@ -1,0 +1,151 @@
+"""`lamina bench serve`: load any OpenAI-compatible server with streaming requests; report request/token
+throughput and TTFT, TPOT, ITL, end-to-end latency (mean, p50, p90, p99) and failures.
+
+--max-concurrency takes a comma list (1,4,16,64) to sweep; --plot draws the sweep. Arrivals are Poisson at
+--request-rate (inf: all at once, the concurrency cap does the pacing). ignore_eos is sent as an extra body
+field so every output has the asked length (servers that do not know it ignore it).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import time
+
+import httpx
+
+from lamina.bench.serve_client import BenchRequest, RequestResult, Target, make_requests, send
+from lamina.bench.serve_stats import RunSummary, format_summary, summarize
+
+
+def add_serve_bench_parser(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser("serve", help="load an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--model", default=None, help="model name (default: the server's first in /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key ($OPENAI_API_KEY)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (ids) or words (words)")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
+    p.add_argument("--prompt-type", choices=["ids", "words"], default="ids",
+                   help="random token ids (exact lengths) or random common words (any endpoint/tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn from [1000, vocab-size)")
+    p.add_argument("--max-concurrency", default=None, help="cap on requests in flight; a comma list sweeps")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
+    p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    p.add_argument("--num-warmups", type=int, default=0, help="requests sent (and not counted) before each run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout (s)")
+    p.add_argument("--result-file", default=None, help="write the results as JSON")
+    p.add_argument("--plot", default=None, help="PNG of latency percentiles vs concurrency (with a sweep)")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.set_defaults(func=cmd_serve_bench)
+
+
+def parse_concurrency(text: str | None) -> list[int | None]:
+    if text is None or text.strip().lower() in ("", "none", "inf"):
+        return [None]
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"bad --max-concurrency {text!r}")
+    return values
+
+
+async def run_once(target: Target, reqs: list[BenchRequest], concurrency: int | None, rate: float, seed: int,
+                   timeout: float, progress: bool, warmups: int = 0) -> RunSummary:
+    from tqdm import tqdm
+
+    pool = concurrency or len(reqs)
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as client:
+        if warmups:
+            await asyncio.gather(*(send(client, target, reqs[i % len(reqs)]) for i in range(warmups)))
+        sem = asyncio.Semaphore(concurrency) if concurrency else None
+        bar = tqdm(total=len(reqs), desc=f"concurrency {concurrency or 'max'}", unit="req", disable=not progress)
+
+        async def one(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                res = await send(client, target, req)
+            else:
+                async with sem:
+                    res = await send(client, target, req)
+            bar.update(1)
+            return res
+
+        rng = random.Random(seed)
+        t0 = time.perf_counter()
+        tasks = []
+        for req in reqs:
+            tasks.append(asyncio.create_task(one(req)))
+            if math.isfinite(rate) and rate > 0:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        bar.close()
+    return summarize(results, duration, concurrency, rate)
+
+
+def _server_model(base_url: str, headers: dict) -> str:
+    r = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def server_gauges(base_url: str) -> dict[str, float]:
+    """Request and KV-cache gauges from the server's /metrics (lamina: or vllm: names), if it has them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(base_url + "/metrics", timeout=10)
+        if r.status_code != 200:
+            return {}
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(r.text):
+            if fam.type == "gauge" and (":num_requests_" in fam.name or ":kv_cache_" in fam.name):
+                for s in fam.samples:
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def cmd_serve_bench(args: argparse.Namespace) -> int:
+    base = args.base_url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
+    key_headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or _server_model(base, key_headers)
+    target = Target(base, model, args.endpoint, args.api_key, args.ignore_eos, args.temperature,
+                    json.loads(args.extra_body))
+    reqs = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.prompt_type,
+                         args.vocab_size, args.seed)
+    runs: list[RunSummary] = []
+    for conc in parse_concurrency(args.max_concurrency):
+        summary = asyncio.run(run_once(target, reqs, conc, args.request_rate, args.seed, args.timeout,
+                                       not args.disable_tqdm, args.num_warmups))
+        print(format_summary(summary), flush=True)
+        runs.append(summary)
+    gauges = server_gauges(base)
+    if gauges:
+        print("server after the run: " + ", ".join(f"{k}={v:g}" for k, v in sorted(gauges.items())))
+    result = {"command": "serve", "base_url": base, "model": model, "endpoint": args.endpoint,
+              "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "range_ratio": args.range_ratio, "prompt_type": args.prompt_type, "ignore_eos": args.ignore_eos,
+              "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+              "temperature": args.temperature, "runs": [r.to_dict() for r in runs], "server_gauges_after": gauges}
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        from lamina.bench.serve_plot import plot_sweep
+
+        plot_sweep(runs, args.plot, f"{model} via {base} ({args.endpoint}, in {args.input_len} / out "
+                                    f"{args.output_len} tokens, {args.num_prompts} prompts)")
+    return 0 if all(r.failed == 0 for r in runs) else 1
