@@ -193,16 +193,18 @@ def sweep(name, q, kc, vc, meta, scale, window, oracle, kv_bytes, flops):
         configs = [dict(), dict(num_splits=max(2, splits // 2)), dict(num_splits=min(128, 2 * splits)),
                    dict(tune=dict(decode_block_n=64)), dict(tune=dict(decode_stages=3))]
     else:
-        shapes = ((128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 8, 2))  # (BLOCK_M, BLOCK_N, warps, stages)
-        configs = [dict()] + [dict(tune=dict(prefill_block_m=m, prefill_block_n=n, prefill_warps=w, prefill_stages=st))
-                              for m, n, w, st in shapes]
+        shapes = ((128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 8, 2))  # BLOCK_M, BLOCK_N, warps, stages
+        configs = [dict()] + [dict(tune=dict(prefill_block_m=m, prefill_block_n=n, prefill_warps=w,
+                                             prefill_stages=st)) for m, n, w, st in shapes]
     for cfg in configs:
         try:
             fn = lambda: paged_attention_triton(q, kc, vc, meta, scale, window, **cfg)  # noqa: E731
             err = rel_err(paged_attention_triton(q, kc, vc, meta, scale, window, out=nan_like(q), **cfg), oracle)
             t = bench_graph(fn)
-            print(f"     sweep {name} {cfg or 'default'}: err={err:.1e} {t:.1f} us, {kv_bytes / t / 1e3:.0f} GB/s, "
-                  f"{flops / t / 1e6:.0f} TFLOP/s", flush=True)
+            label = " ".join(f"{k.replace('prefill_', '')}={v}" for k, v in
+                             {**{"splits": cfg.get("num_splits")}, **cfg.get("tune", {})}.items() if v) or "default"
+            print(f"     sweep {name[:22]:22s} {label:40s} err={err:.1e} {t:8.1f} us {kv_bytes / t / 1e3:6.0f} GB/s "
+                  f"{flops / t / 1e6:5.0f} TFLOP/s", flush=True)
             if err > TOL[q.dtype]:
                 FAILED.append(f"sweep {name} {cfg}")
         except Exception as e:  # a config that does not fit is a finding, not a failure of the kernels
@@ -354,14 +356,15 @@ def main() -> int:
         if "t_us" not in r:
             continue
         print(f"{r['kernel']:11s} {r['case'][:35]:35s} {r['dtype']:5s} {r['err']:8.1e}  {r['ref_err']:8.1e} "
-              f"{r['t_us']:9.1f} {r['eager_us']:9.1f} {r['ref_us']:9.1f} {r['ref_us'] / r['t_us']:7.1f}x {r['gbs']:6.0f} "
-              f"{r['tflops']:7.1f}")
+              f"{r['t_us']:9.1f} {r['eager_us']:9.1f} {r['ref_us']:9.1f} {r['ref_us'] / r['t_us']:7.1f}x "
+              f"{r['gbs']:6.0f} {r['tflops']:7.1f}")
     worst = {}
     for r in ROWS:
         if r["err"] == r["err"]:
             key = (r["kernel"], r["dtype"])
             worst[key] = max(worst.get(key, 0.0), r["err"])
-    print("\nworst rel_err per kernel/dtype: " + ", ".join(f"{k}/{d}={e:.1e}" for (k, d), e in sorted(worst.items())))
+    print("\nworst rel_err per kernel/dtype: "
+          + ", ".join(f"{k}/{d}={e:.1e}" for (k, d), e in sorted(worst.items())))
     n = sum(1 for r in ROWS if r["err"] == r["err"])
     print(f"{n - len(FAILED)}/{n} checks passed" + (f"; FAILED: {FAILED}" if FAILED else ""))
     return 1 if FAILED else 0

@@ -48,9 +48,10 @@ class PrefixCache:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = hit_tokens
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Registers the sequence's blocks that became full and computed since the last call."""
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+    def register_computed(self, seq: Sequence, known_tokens: int) -> None:
+        """Registers the sequence's blocks that became full and computed since the last call; only the
+        first known_tokens token ids are final (later ones may still be in flight on the device)."""
+        full = min(min(seq.num_computed_tokens, known_tokens) // self.block_size, len(seq.block_table))
         if full <= seq.num_registered_blocks:
             return
         hashes = self._hashes(seq, full)

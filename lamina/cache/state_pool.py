@@ -11,6 +11,8 @@ and fla's kernels carry them in fp32 too. Conv states hold raw inputs and use th
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -18,6 +20,7 @@ from lamina.cache.slot_allocator import SlotAllocator
 from lamina.models.layers.gated_delta_net import GatedDeltaNet
 
 STATE_DTYPE = torch.float32
+log = logging.getLogger("lamina")
 
 
 def state_layers(model: nn.Module) -> list[GatedDeltaNet]:
@@ -41,6 +44,9 @@ class StatePool:
             ssm = torch.zeros((num_slots + 1, *ssm_shape), dtype=STATE_DTYPE, device=device)
             layer.conv_state, layer.ssm_state = conv, ssm
             self.tensors.append((conv, ssm))
+        # Per-slot state is large for big hybrids (Qwen3-Next-80B: ~77 MB), so max_num_seqs sets real memory.
+        log.info("state pool: %d slots x %d layers = %.2f GiB", num_slots + 1, len(self.layers),
+                 (num_slots + 1) * self.bytes_per_slot(model, dtype) / 2**30)
 
     @classmethod
     def for_model(cls, model: nn.Module, num_slots: int, dtype: torch.dtype,
@@ -54,7 +60,8 @@ class StatePool:
 
     @staticmethod
     def bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
-        item, state_item = torch.empty((), dtype=dtype).element_size(), torch.empty((), dtype=STATE_DTYPE).element_size()
+        item = torch.empty((), dtype=dtype).element_size()
+        state_item = torch.empty((), dtype=STATE_DTYPE).element_size()
         total = 0
         for layer in state_layers(model):
             (c, k), (h, dk, dv) = layer.state_shapes()

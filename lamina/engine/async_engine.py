@@ -191,6 +191,15 @@ class AsyncEngine:
 
     # ---- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # a bug here must not leave callers waiting forever on their streams
+            log.exception("the engine loop died")
+            self._fail_all("the engine loop died", EngineDeadError)
+            self._reject_queued("the engine loop died")
+            raise
+
+    def _serve(self) -> None:
         self._publish(IterationStats())  # gauges have values before the first request
         while True:
             # Block when idle: a waiting thread costs nothing, a polling one steals a core from the model.
@@ -203,6 +212,7 @@ class AsyncEngine:
             for cmd in cmds:
                 if cmd is _STOP:
                     self._fail_all("the engine is shutting down", EngineDeadError)
+                    self._reject_queued("the engine is shutting down")
                     return
                 try:
                     self._handle(cmd)
@@ -286,6 +296,16 @@ class AsyncEngine:
             if stream is not None:
                 stream.put(kind(message))
         self._trackers.clear()
+
+    def _reject_queued(self, message: str) -> None:
+        """Adds still queued when the loop ends would otherwise wait forever for their verdict."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(EngineDeadError(message))
 
     def _publish(self, it: IterationStats) -> None:
         self.last_stats = self.engine.stats()

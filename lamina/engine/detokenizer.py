@@ -25,13 +25,14 @@ class Detokenizer:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def step(self, state: DetokState, token_ids: list[int], skip_special_tokens: bool) -> str:
-        """Advances `state` over token_ids (prompt + output so far); returns the newly complete text."""
+    def step(self, state: DetokState, token_ids: list[int], skip_special_tokens: bool, end: int | None = None) -> str:
+        """Advances `state` over token_ids[:end] (prompt + output so far); returns the newly complete text."""
+        end = len(token_ids) if end is None else end
         prefix = self.decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
-        full = self.decode(token_ids[state.prefix_offset:], skip_special_tokens)
+        full = self.decode(token_ids[state.prefix_offset:end], skip_special_tokens)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix):]
-            state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+            state.prefix_offset, state.read_offset = state.read_offset, end
             state.text += new
             return new
         return ""

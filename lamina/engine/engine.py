@@ -22,7 +22,8 @@ from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
 from lamina.engine.memory import plan_kv_blocks, resolve_device, resolve_dtype
 from lamina.engine.request import RequestGroup, Sequence, SeqStatus
 from lamina.engine.runner import ModelRunner
-from lamina.engine.sampler import Sampler
+from lamina.engine.sampler import Sampler, needs_history
+from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.scheduler import Scheduler, SchedulerOutput
 from lamina.engine.stop import apply_stop_strings, check_token_stop
 from lamina.models.loader import load_model, load_tokenizer, read_config, resolve_source
@@ -97,6 +98,7 @@ class LLMEngine:
         # Streaming callers (the server, chat) want every step's progress; offline batch generation only
         # wants finished requests, which saves building outputs and decoding text on every step.
         self.stream_outputs = True
+        self.in_flight: InFlight | None = None  # the launched step whose tokens are not read back yet
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -170,26 +172,29 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches one forward, then finishes the previous one while the device works.
+
+        Sampled tokens are read back one step late: the next step is built and launched first (its input
+        takes the pending tokens straight from the device), so host work overlaps device work. A sequence
+        that stopped on the late token wasted one token of compute, which is discarded.
+        """
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Cannot happen while every admitted prompt fits the pool; fail loudly rather than spin.
-                raise RuntimeError("scheduler made no progress with an empty running set")
-            return []
         touched: dict[str, RequestGroup] = {}
-        try:
-            self._run(sched, touched)
-        except Exception as exc:  # a failure inside the model fails this step's requests, not the engine
-            log.exception("engine step failed")
-            for item in sched.scheduled:
-                group = self.groups.get(item.seq.request_id)
-                if group is not None:
-                    group.error = f"{type(exc).__name__}: {exc}"
-                    for seq in group.seqs:
-                        if not seq.finished:
-                            seq.finish_reason = "error"
-                            self.scheduler.finish(seq)
-                    touched[group.request_id] = group
+        launched = None
+        if sched.scheduled:
+            try:
+                launched = self._launch(sched)
+            except Exception as exc:  # a failure inside the model fails this step's requests, not the engine
+                self._fail([s.seq for s in sched.scheduled], exc, touched)
+        prev, self.in_flight = self.in_flight, launched
+        if prev is not None:
+            self._resolve(prev, touched)
+        if launched is not None and launched.sync:
+            self.in_flight = None
+            self._resolve(launched, touched)
+        if not touched and launched is None and self.scheduler.waiting and not self.scheduler.running:
+            # Cannot happen while every admitted prompt fits the pool; fail loudly rather than spin.
+            raise RuntimeError("scheduler made no progress with an empty running set")
         outputs = []
         for rid, group in touched.items():
             finished = group.finished
@@ -199,39 +204,78 @@ class LLMEngine:
                 self.groups.pop(rid, None)
         return outputs
 
-    def _run(self, sched: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
-        batch = self.runner.prepare(sched.scheduled)
+    def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, RequestGroup]) -> None:
+        log.error("engine step failed: %s", exc, exc_info=exc)
+        for seq in seqs:
+            group = self.groups.get(seq.request_id)
+            if group is None:
+                continue
+            group.error = f"{type(exc).__name__}: {exc}"
+            for s in group.seqs:
+                if not s.finished:
+                    s.finish_reason = "error"
+                    self.scheduler.finish(s)
+            touched[group.request_id] = group
+
+    def _launch(self, sched: SchedulerOutput) -> InFlight:
+        prev = self.in_flight
+        pending, tokens = None, None
+        if prev is not None and prev.draws is not None:
+            pending = {seq.seq_id: row for row, (seq, _) in enumerate(prev.sampled)}
+            tokens = prev.draws.token_ids
+        batch = self.runner.prepare(sched.scheduled, pending, tokens)
         logits = self.runner.execute(batch)
         sampled = [s.seq for s in sched.scheduled if s.sample]
-        result = self.sampler(logits[batch.sample_rows], sampled) if sampled else None
-        now = time.monotonic()
+        draws = self.sampler.sample(logits[batch.sample_rows], sampled) if sampled else None
         for item, (row0, nrows) in zip(sched.scheduled, batch.logits_rows):
             seq = item.seq
-            if seq.needs_prompt_logprobs():
-                rows = logits[row0:row0 + nrows]
-                prompt_logprobs_for_chunk(seq, rows, seq.num_computed_tokens, seq.params.prompt_logprobs,
-                                          self.detokenizer)
+            if seq.needs_prompt_logprobs():  # rare: reads logits on the host right away
+                prompt_logprobs_for_chunk(seq, logits[row0:row0 + nrows], seq.num_computed_tokens,
+                                          seq.params.prompt_logprobs, self.detokenizer)
             seq.num_computed_tokens += item.num_tokens
-            self.scheduler.register_computed(seq)
-            touched[seq.request_id] = self.groups[seq.request_id]
-        for row, seq in enumerate(sampled):
+        positions = []
+        for seq in sampled:
+            positions.append(seq.num_tokens)
+            seq.token_ids.append(PENDING)
+        # Rows whose next sampling reads their history need their token on the host before that.
+        sync = any(needs_history(s) for s in sampled)
+        return InFlight(sched.scheduled, list(zip(sampled, positions)), draws, sync, draws.start_copy() if draws
+                        else None)
+
+    def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup]) -> None:
+        for item in flight.scheduled:
+            seq = item.seq
+            if not seq.finished:
+                touched[seq.request_id] = self.groups[seq.request_id]
+        if flight.draws is None:
+            for item in flight.scheduled:
+                self.scheduler.register_computed(item.seq, item.seq.num_tokens)
+            return
+        result = flight.draws.finish_copy(flight.copy)
+        now = time.monotonic()
+        for row, (seq, idx) in enumerate(flight.sampled):
+            if seq.finished:  # aborted, or stopped on an earlier token while this one was in flight
+                continue
             token = result.token_ids[row]
-            seq.token_ids.append(token)
+            seq.token_ids[idx] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.logprobs is not None:
                 seq.logprobs.append(sample_logprobs(result, row, token, self.detokenizer))
                 seq.cumulative_logprob += result.chosen_logprobs[row]
-            check_token_stop(seq, token, self.eos_token_ids, self.max_model_len)
+            check_token_stop(seq, token, idx + 1 - seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
             skip = seq.params.skip_special_tokens
             new = ""
             if self.stream_outputs or seq.params.stop:  # else the text is decoded once, at the end
-                new = self.detokenizer.step(seq.detok, seq.token_ids, skip)
+                new = self.detokenizer.step(seq.detok, seq.token_ids, skip, idx + 1)
             if seq.finish_reason is not None:
+                del seq.token_ids[idx + 1:]  # drop a token sampled after the stop
                 new += self.detokenizer.flush(seq.detok, seq.token_ids, skip)
             apply_stop_strings(seq, len(new))
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
+            else:
+                self.scheduler.register_computed(seq, idx + 1)
 
     def _output(self, group: RequestGroup) -> RequestOutput:
         outs = [CompletionOutput(s.index, s.text, s.output_token_ids, s.cumulative_logprob if s.logprobs is not None

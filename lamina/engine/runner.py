@@ -32,8 +32,13 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+    def prepare(self, scheduled: list[ScheduledSeq], pending_rows: dict[int, int] | None = None,
+                pending_tokens: torch.Tensor | None = None) -> ForwardBatch:
+        """pending_rows maps a sequence whose last token is still on the device (sampled by the step in
+        flight) to its row in pending_tokens; that token is copied into the batch on the device."""
         ids: list[int] = []
+        dst: list[int] = []
+        src: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start, seq_lens = [0], []
@@ -46,6 +51,9 @@ class ModelRunner:
             end = start + item.num_tokens
             row0 = len(ids)
             ids += seq.token_ids[start:end]
+            if pending_rows and seq.seq_id in pending_rows and end == seq.num_tokens:
+                dst.append(len(ids) - 1)
+                src.append(pending_rows[seq.seq_id])
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -72,7 +80,15 @@ class ModelRunner:
             max_query_len=max(s.num_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
         )
-        return ForwardBatch(self._to_device(ids, torch.long), self._to_device(positions, torch.long), meta,
+        if scheduled[0].seq.state_slot is not None:  # hybrid model: every admitted sequence holds a slot
+            meta.state_slots_cpu = [s.seq.state_slot for s in scheduled]
+            meta.state_slots = self._to_device(meta.state_slots_cpu, torch.long)
+            meta.has_initial_state = self._to_device([s.seq.num_computed_tokens > 0 for s in scheduled], torch.bool)
+        input_ids = self._to_device(ids, torch.long)
+        if dst:
+            input_ids.index_copy_(0, self._to_device(dst, torch.long),
+                                  pending_tokens.index_select(0, self._to_device(src, torch.long)))
+        return ForwardBatch(input_ids, self._to_device(positions, torch.long), meta,
                             self._to_device(logits_idx, torch.long), logits_rows, sample_rows)
 
     @torch.inference_mode()

@@ -115,14 +115,16 @@ class Sampler:
             noise.index_copy_(0, rows, exponential_noise(keys, vocab))
         return noise
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleTensors:
+        """Draws one token per row; everything stays on the device (no host sync)."""
         logits = logits.float()
         dev = logits.device
         num_lp = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
         raw_logprobs = logits.log_softmax(dim=-1) if num_lp is not None else None
-        logits = logits.clone()
-        _penalize(logits, seqs)
-        _ban_stops_below_min_tokens(logits, seqs, self.eos)
+        if any(needs_history(s) for s in seqs):
+            logits = logits.clone()  # penalties edit in place; the caller's logits stay raw
+            _penalize(logits, seqs)
+            _ban_stops_below_min_tokens(logits, seqs, self.eos)
 
         tokens = logits.argmax(dim=-1)
         if not all(s.params.greedy for s in seqs):
@@ -131,13 +133,54 @@ class Sampler:
             probs = _filter(logits / temps[:, None], seqs).softmax(dim=-1)
             sampled = (probs / self._noise(seqs, probs.shape[1], dev)).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
-
-        out = SamplerOutput(tokens.tolist(), None, None, None, None)
+        out = SampleTensors(tokens)
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, tokens[:, None])
-            out.chosen_logprobs = chosen[:, 0].tolist()
-            out.chosen_ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+            out.chosen_logprobs = chosen[:, 0]
+            out.chosen_ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
             if num_lp > 0:
-                top_lp, top_ids = raw_logprobs.topk(num_lp, dim=-1)
-                out.top_ids, out.top_logprobs = top_ids.tolist(), top_lp.tolist()
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(num_lp, dim=-1)
         return out
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        return self.sample(logits, seqs).to_host()
+
+
+def needs_history(seq: Sequence) -> bool:
+    """Whether sampling this row reads the sequence's earlier tokens (so they must be known on the host)."""
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or seq.num_output_tokens < p.min_tokens)
+
+
+@dataclass
+class SampleTensors:
+    """A step's draws, still on the device; to_host() is the one sync point."""
+
+    token_ids: torch.Tensor
+    chosen_logprobs: torch.Tensor | None = None
+    chosen_ranks: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def _fields(self) -> list[torch.Tensor | None]:
+        return [self.token_ids, self.chosen_logprobs, self.chosen_ranks, self.top_ids, self.top_logprobs]
+
+    def start_copy(self):
+        """Starts copying the draws to the host without waiting; finish_copy() waits for that copy only."""
+        if self.token_ids.device.type != "cuda":
+            return None
+        host = [None if t is None else t.to("cpu", non_blocking=True) for t in self._fields()]
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def finish_copy(self, started) -> SamplerOutput:
+        if started is None:
+            return self.to_host()
+        host, event = started
+        event.synchronize()
+        return SamplerOutput(*[None if t is None else t.tolist() for t in host])
+
+    def to_host(self) -> SamplerOutput:
+        return SamplerOutput(*[None if t is None else t.tolist() for t in self._fields()])

@@ -84,6 +84,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_output_tokens >= seq.max_tokens:  # its last token is still in flight: nothing to do
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._grow(seq, n):
                 victim = self.running.pop()
@@ -127,9 +130,9 @@ class Scheduler:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
-    def register_computed(self, seq: Sequence) -> None:
+    def register_computed(self, seq: Sequence, known_tokens: int) -> None:
         if self.prefix_cache is not None:
-            self.prefix_cache.register_computed(seq)
+            self.prefix_cache.register_computed(seq, known_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence from whichever queue holds it and frees its blocks."""

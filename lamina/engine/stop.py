@@ -4,16 +4,17 @@ from __future__ import annotations
 from lamina.engine.request import Sequence
 
 
-def check_token_stop(seq: Sequence, token: int, eos: list[int], max_model_len: int) -> None:
+def check_token_stop(seq: Sequence, token: int, n_out: int, eos: list[int], max_model_len: int) -> None:
+    """Whether the n_out-th output token `token` ends the sequence (later tokens may already be in flight)."""
     p = seq.params
-    if seq.num_output_tokens >= p.min_tokens:
+    if n_out > p.min_tokens:  # the sampler banned stops for the first min_tokens tokens
         if token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
             return
         if not p.ignore_eos and token in eos:
             seq.finish_reason = "stop"
             return
-    if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len:
+    if n_out >= seq.max_tokens or seq.num_prompt_tokens + n_out >= max_model_len:
         seq.finish_reason = "length"
 
 

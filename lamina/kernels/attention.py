@@ -24,6 +24,11 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # State-pool addressing for mixers with per-sequence state (gated delta net); None for models without.
+    # A sequence whose chunk starts at position 0 (has_initial_state False) starts from a zero state.
+    state_slots: torch.Tensor | None = None  # [B] int64
+    state_slots_cpu: list[int] | None = None
+    has_initial_state: torch.Tensor | None = None  # [B] bool: num_computed_tokens > 0
 
     @property
     def num_seqs(self) -> int:

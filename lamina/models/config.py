@@ -7,11 +7,42 @@ from typing import Any
 
 @dataclass
 class LayerSpec:
-    """What one decoder layer is made of. mixer: "attention" (full or sliding); ffn: "dense"."""
+    """What one decoder layer is made of.
+
+    mixer: "attention" (full or sliding), "gated_attention" (Qwen3-Next: sigmoid output gate from a doubled
+    q_proj), "gated_delta_net" (linear attention with conv + recurrent state in the state pool);
+    ffn: "dense" or "moe" (numbers in ModelConfig.moe)."""
 
     mixer: str = "attention"
     ffn: str = "dense"
     sliding_window: int | None = None
+
+
+# Mixers that keep K/V in the paged KV pool, and mixers that keep per-sequence state in the state pool.
+KV_MIXERS = ("attention", "gated_attention")
+STATE_MIXERS = ("gated_delta_net",)
+
+
+@dataclass
+class GatedDeltaNetSpec:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def conv_dim(self) -> int:  # channels of the causal conv: q | k | v
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+@dataclass
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    renormalize: bool  # HF norm_topk_prob: rescale the top-k weights to sum to 1
+    shared_intermediate_size: int = 0  # 0: no shared expert; else one, scaled by a sigmoid gate
 
 
 @dataclass
@@ -36,6 +67,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w): 1.0 for Qwen3-Next/Qwen3.5's zero-centred w
+    gdn: GatedDeltaNetSpec | None = None
+    moe: MoESpec | None = None
 
     @property
     def num_layers(self) -> int:
@@ -46,7 +80,10 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def attention_layer_ids(self) -> list[int]:
-        return [i for i, s in enumerate(self.layers) if s.mixer == "attention"]
+        return [i for i, s in enumerate(self.layers) if s.mixer in KV_MIXERS]
+
+    def state_layer_ids(self) -> list[int]:
+        return [i for i, s in enumerate(self.layers) if s.mixer in STATE_MIXERS]
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * len(self.attention_layer_ids()) * self.num_kv_heads * self.head_dim * dtype_bytes

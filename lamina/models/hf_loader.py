@@ -16,7 +16,10 @@ def read_hf_config(path: Path) -> dict:
     hf = json.loads(cfg.read_text())
     # Multimodal checkpoints keep the language model's fields under text_config.
     if "text_config" in hf and "hidden_size" not in hf:
+        top = hf
         hf = {**hf["text_config"], "architectures": hf.get("architectures")}
+        if "tie_word_embeddings" in top:  # HF ties lm_head by the top-level config's flag
+            hf["tie_word_embeddings"] = top["tie_word_embeddings"]
     return hf
 
 

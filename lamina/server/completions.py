@@ -35,7 +35,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     if req.stream:
         return StreamingResponse(_stream(req, state, streams, request_id, prompt_ids, echoes),
                                  media_type="text/event-stream", headers=SSE_HEADERS,
-)
+                                 background=BackgroundTask(abort_unfinished, state, streams))
     try:
         finals = await collect(raw, state, streams)
     except ClientDisconnected:
@@ -108,5 +108,5 @@ async def _stream(req: CompletionRequest, state: ServerState, streams, request_i
     except Exception as exc:  # headers are out: report in-band, then end the stream cleanly
         yield error_event(exc)
     finally:
-        pass
+        abort_unfinished(state, streams)
     yield SSE_DONE

@@ -1,14 +1,17 @@
 """Helpers of the server tests: start/stop a real `lamina serve` process, read its /metrics."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -92,3 +95,24 @@ def wait_idle(base_url: str, timeout: float = 20.0) -> dict[str, float]:
     raise AssertionError(f"server not idle after {timeout}s: running={m.get('lamina:num_requests_running')} "
                          f"waiting={m.get('lamina:num_requests_waiting')} free={m.get('lamina:kv_cache_free_blocks')}"
                          f"/{m.get('lamina:kv_cache_total_blocks')}")
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Runs an app with uvicorn on a thread of this process (to reach inside, or to skip a model load)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn exited during start-up")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)

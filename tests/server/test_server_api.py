@@ -25,13 +25,14 @@ def test_models(client):
     assert models[0].max_model_len == MAX_MODEL_LEN
 
 
-def test_completion_matches_offline_engine(client):
-    """The server must produce exactly what the offline API produces for the same greedy request."""
-    from lamina import LLM, SamplingParams
+def test_completion_matches_offline_engine(client, llm_engine):
+    """The server must produce exactly what the engine produces offline for the same greedy request."""
+    from lamina import SamplingParams
 
-    llm = LLM(MODEL, progress=False, max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.05)
-    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
-    del llm
+    llm_engine.add_request("offline", PROMPT, SamplingParams(temperature=0, max_tokens=12))
+    want = None
+    while llm_engine.has_unfinished_requests():
+        want = next((o.outputs[0] for o in llm_engine.step() if o.finished), want)
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     assert got.choices[0].text == want.text
     assert got.usage.completion_tokens == len(want.token_ids)

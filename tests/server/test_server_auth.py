@@ -1,22 +1,40 @@
-"""--api-key: /v1 and the tokenizer routes need 'Authorization: Bearer KEY'; /health and /metrics stay open."""
+"""--api-key: /v1 and the tokenizer routes need 'Authorization: Bearer KEY'; /health and /metrics stay open.
+
+The secured app runs in-process around the shared engine (no second model load); the flags are checked
+through the CLI parser.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
 
-from server_helpers import MODEL, start_server, stop_server
+from lamina.cli import build_parser
+from lamina.server.app import build_app, make_state
+
+from server_helpers import MODEL, serve_in_thread
 
 KEY = "sk-lamina-test"
 
 
+@dataclass
+class Secured:
+    base_url: str
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+
 @pytest.fixture(scope="module")
-def secured():
-    srv = start_server(["--api-key", KEY, "--served-model-name", "tiny", MODEL])
-    try:
-        yield srv
-    finally:
-        stop_server(srv)
+def secured(llm_engine):
+    args = build_parser().parse_args(["serve", MODEL, "--port", "0", "--api-key", KEY,
+                                      "--served-model-name", "tiny", MODEL])
+    assert args.api_key == KEY and args.served_model_name == ["tiny", MODEL] and args.model == MODEL
+    with serve_in_thread(build_app(make_state(llm_engine, args.served_model_name, args.api_key))) as base:
+        yield Secured(base)
 
 
 @pytest.mark.parametrize("key", [None, "wrong", KEY + "x"])

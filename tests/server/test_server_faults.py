@@ -5,15 +5,13 @@ Faults are injected into an in-process engine served by uvicorn on a thread, so 
 from __future__ import annotations
 
 import threading
-import time
 
 import openai
 import pytest
-import uvicorn
 
 from lamina.server.app import build_app, make_state
 
-from server_helpers import MODEL, free_port, wait_idle
+from server_helpers import MODEL, serve_in_thread, wait_idle
 
 
 class Fault:
@@ -31,20 +29,8 @@ class Fault:
 
 @pytest.fixture(scope="module")
 def served(llm_engine):
-    port = free_port()
-    app = build_app(make_state(llm_engine, [MODEL]))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    try:
-        yield f"http://127.0.0.1:{port}", llm_engine
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with serve_in_thread(build_app(make_state(llm_engine, [MODEL]))) as base:
+        yield base, llm_engine
 
 
 def _client(base: str) -> openai.OpenAI:

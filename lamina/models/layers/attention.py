@@ -19,8 +19,8 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.scale = self.head_dim**-0.5
         self.sliding_window = spec.sliding_window

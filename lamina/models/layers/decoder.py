@@ -10,28 +10,38 @@ from torch import nn
 from lamina.kernels.attention import AttentionMetadata
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.attention import Attention
+from lamina.models.layers.gated_attention import GatedAttention
+from lamina.models.layers.gated_delta_net import GatedDeltaNet
 from lamina.models.layers.mlp import GatedMLP
+from lamina.models.layers.moe import SparseMoE
 from lamina.models.layers.norm import RMSNorm
 
 
 def build_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
     if spec.mixer == "attention":
         return Attention(cfg, spec)
+    if spec.mixer == "gated_attention":
+        return GatedAttention(cfg, spec)
+    if spec.mixer == "gated_delta_net":
+        # Held as `self_attn` like every mixer (HF calls it linear_attn; the family maps the names).
+        return GatedDeltaNet(cfg, spec)
     raise ValueError(f"unsupported mixer kind {spec.mixer!r}")
 
 
 def build_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
     if spec.ffn == "dense":
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    if spec.ffn == "moe":
+        return SparseMoE(cfg)
     raise ValueError(f"unsupported FFN kind {spec.ffn!r}")
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.self_attn = build_mixer(cfg, spec)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = build_ffn(cfg, spec)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,

@@ -1,0 +1,83 @@
+"""Causal depthwise conv1d with a rolling state, as the gated delta net (and Mamba) layers use it.
+
+Each sequence's conv state holds the last K-1 inputs it has seen ([C, K-1], oldest first), so a chunk of
+new tokens convolves over (state | chunk) and the state becomes the last K-1 columns of that. Prefill,
+chunked prefill and decode are the same operation with different chunk lengths; a sequence starting at
+position 0 uses a zero state (what zero padding gives on the whole prompt).
+
+States live in a pool tensor conv_states [num_slots, C, K-1] addressed by per-sequence slot indices.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lamina.kernels.dispatch import use_triton
+from lamina.kernels.slot_states import read_states, write_states
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise ValueError(f"unsupported conv activation {activation!r}")
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                      activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [B, L, C] (B sequences of equal chunk length L); weight: [C, K]; state: [B, C, K-1].
+
+    Returns (out [B, L, C], new state [B, C, K-1]). Computed in the weight's dtype with F.conv1d, like HF.
+    """
+    b, l, c = x.shape
+    k = weight.shape[-1]
+    full = torch.cat([state.to(weight.dtype), x.transpose(1, 2).to(weight.dtype)], dim=-1)  # [B, C, K-1+L]
+    out = F.conv1d(full, weight.unsqueeze(1), bias, groups=c)  # [B, C, L]: no padding, the state is the pad
+    new_state = full[:, :, full.shape[-1] - (k - 1):]
+    return _activate(out, activation).transpose(1, 2).to(x.dtype), new_state
+
+
+def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             conv_states: torch.Tensor | None, query_start: list[int], state_slots: list[int] | None,
+                             has_initial_state: list[bool], activation: str | None = "silu") -> torch.Tensor:
+    """x: [T, C], the chunks of several sequences concatenated (query_start: [B+1] row offsets).
+
+    Reads each sequence's state from conv_states[slot] (zeros where has_initial_state is False) and writes
+    the new one back. conv_states None (no pool bound, e.g. a profiling pass): zero state, nothing written.
+    Single-token rows (decode) run as one batch; each longer chunk runs alone (the reference is a loop).
+    """
+    out = torch.empty_like(x)
+    k = weight.shape[-1]
+    n = len(query_start) - 1
+    lens = [query_start[i + 1] - query_start[i] for i in range(n)]
+    groups = [[i for i in range(n) if lens[i] == 1]]
+    groups = [g for g in groups if g] + [[i] for i in range(n) if lens[i] > 1]
+    for rows in groups:
+        l = lens[rows[0]]
+        xs = torch.stack([x[query_start[i]:query_start[i] + l] for i in rows])  # [B, L, C]
+        state = read_states(conv_states, rows, state_slots, has_initial_state,
+                            (len(rows), x.shape[1], k - 1), weight.dtype, x.device)
+        y, new_state = causal_conv1d_ref(xs, weight, bias, state, activation)
+        if l == 1:
+            out.index_copy_(0, torch.tensor([query_start[i] for i in rows], device=x.device), y[:, 0])
+        else:
+            out[query_start[rows[0]]:query_start[rows[0]] + l] = y[0]
+        write_states(conv_states, rows, state_slots, new_state)
+    return out
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor | None, query_start: list[int], state_slots: list[int] | None,
+                         has_initial_state: list[bool], activation: str | None = "silu") -> torch.Tensor:
+    """Dispatch: a GPU kernel (same signature; device tensors may be added for it) once one exists."""
+    if use_triton(x):
+        try:
+            from lamina.kernels.triton_conv1d import causal_conv1d_varlen_triton  # type: ignore[import-not-found]
+        except ImportError:
+            pass
+        else:
+            return causal_conv1d_varlen_triton(x, weight, bias, conv_states, query_start, state_slots,
+                                               has_initial_state, activation)
+    return causal_conv1d_varlen_ref(x, weight, bias, conv_states, query_start, state_slots, has_initial_state,
+                                    activation)

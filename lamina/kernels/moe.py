@@ -1,0 +1,57 @@
+"""Sparse mixture of experts: top-k routing, then each expert's SwiGLU over the tokens routed to it.
+
+Expert weights are stacked the way transformers 5 holds them: w13 [E, 2I, H] (gate rows then up rows) and
+w2 [E, H, I]. The reference groups tokens by expert (one gather, two matmuls and a scatter-add per expert
+that has tokens), which is also the shape of the fused GPU kernels (sort by expert, grouped GEMM).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lamina.kernels.dispatch import use_triton
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts in fp32, top-k, optional renormalization (norm_topk_prob), like HF's TopKRouter.
+
+    Returns (weights [T, k] in the logits' dtype, expert ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """x: [T, H] -> [T, H] = sum over a token's k experts of weight * down(silu(gate(x)) * up(x))."""
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert, in token order
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // topk_ids.shape[1]
+    weight_of = topk_weights.flatten()[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token_of[start:start + n]
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * weight_of[start:start + n, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+        start += n
+    return out
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Dispatch: a GPU grouped-GEMM kernel (same signature) once one exists."""
+    if use_triton(x):
+        try:
+            from lamina.kernels.triton_moe import fused_moe_triton  # type: ignore[import-not-found]
+        except ImportError:
+            pass
+        else:
+            return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

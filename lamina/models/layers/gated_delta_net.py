@@ -1,0 +1,84 @@
+"""Gated DeltaNet mixer (Qwen3-Next, Qwen3.5): input projections, causal conv1d, gated delta rule, gated norm.
+
+Its per-sequence state (the conv window and the [Hv, dk, dv] recurrent state) lives in the state pool:
+the pool binds conv_state [slots, C, K-1] and ssm_state [slots, Hv, dk, dv] here at start-up, and each step
+addresses them through meta.state_slots. A sequence whose chunk starts at position 0 starts from zeros.
+
+Parameter names: one merged `in_proj` with shards qkv | z | b | a. Qwen3.5 checkpoints hold exactly those
+four (in_proj_qkv/_z/_b/_a); Qwen3-Next's in_proj_qkvz/in_proj_ba interleave them per key-head group and
+are reordered at load time (families/qwen3_next.py), so the forward is one matmul and a split either way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lamina.kernels.attention import AttentionMetadata
+from lamina.kernels.conv1d import causal_conv1d_varlen
+from lamina.kernels.gated_delta import gated_delta_rule_varlen
+from lamina.kernels.norm_gated import rms_norm_gated
+from lamina.models.config import LayerSpec, ModelConfig
+from lamina.models.layers.linear import MergedLinear
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return rms_norm_gated(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        g = cfg.gdn
+        if g is None:
+            raise ValueError("a gated_delta_net layer needs ModelConfig.gdn")
+        if g.num_v_heads % g.num_k_heads:
+            raise ValueError(f"linear value heads {g.num_v_heads} must be a multiple of key heads {g.num_k_heads}")
+        self.num_k_heads, self.num_v_heads = g.num_k_heads, g.num_v_heads
+        self.head_k_dim, self.head_v_dim = g.head_k_dim, g.head_v_dim
+        self.key_dim, self.value_dim = g.num_k_heads * g.head_k_dim, g.num_v_heads * g.head_v_dim
+        self.conv_dim, self.conv_kernel = g.conv_dim, g.conv_kernel
+        self.in_proj = MergedLinear(cfg.hidden_size, {"qkv": self.conv_dim, "z": self.value_dim,
+                                                      "b": g.num_v_heads, "a": g.num_v_heads}, bias=False)
+        # Depthwise: weight [C, 1, K] as HF stores it; applied by the conv1d kernel, never as an nn.Conv1d.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, g.conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(g.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(g.num_v_heads))
+        self.norm = GatedRMSNorm(g.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported gated delta net activation {cfg.hidden_act!r}")
+        # Bound by the state pool at start-up (views into its allocations; stable for CUDA graphs).
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-slot shapes of (conv state, recurrent state)."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
+                                             dim=-1)
+        qs = meta.query_start_cpu
+        slots = meta.state_slots_cpu  # None: no pool bound (profiling) -> zero state, nothing kept
+        # num_computed_tokens = context length - this step's tokens: > 0 means the slot holds live state.
+        has_init = [meta.seq_lens_cpu[i] - (qs[i + 1] - qs[i]) > 0 for i in range(meta.num_seqs)]
+        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_state, qs,
+                                   slots, has_init, "silu")
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        # fp32: in fp16/bf16 exp(A_log) * softplus could round the decay to exactly 0 or overflow.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state, qs, slots, has_init)
+        core = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(t, self.value_dim))
