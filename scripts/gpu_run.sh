@@ -9,13 +9,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (gguf), c
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 [ -d .gpu_a/tok ] && export LAMINA_TEST_TOKENIZER=$PWD/.gpu_a/tok
-if [ -f .gpu_a/part_aa ] && [ -f .gpu_b/part_ab ]; then  # the real SmolLM2 GGUF, carried in two halves
-  cat .gpu_a/part_aa .gpu_b/part_ab > /tmp/smollm2.gguf && export LAMINA_SMOLLM2_GGUF=/tmp/smollm2.gguf
+# The real SmolLM2 GGUF (98 MB) is over one call's 64 MiB: its halves travel in two calls of one warm
+# machine, the first parked outside the repo copy (which each call replaces).
+mkdir -p /root/lamina_assets
+[ -f .gpu_a/part_aa ] && cp .gpu_a/part_aa /root/lamina_assets/
+if [ -f /root/lamina_assets/part_aa ] && [ -f .gpu_b/part_ab ]; then
+  cat /root/lamina_assets/part_aa .gpu_b/part_ab > /tmp/smollm2.gguf && export LAMINA_SMOLLM2_GGUF=/tmp/smollm2.gguf
 fi
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -s tests/kernels tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -40
+fi
+if [ "$what" = smol ]; then
+  python3 -m pytest -q -s tests/gpu -k smollm2 2>&1 | tee "$OUT/gpu_smollm2.log" | tail -12
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   B="python3 -m lamina.cli bench"
@@ -24,6 +31,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
      --result-file "$OUT/throughput_qwen3_0.6b.json" 2>&1 | grep -vE "it/s|tensor/s" | tail -30
   $B latency --model random:qwen3-8b --input-len 128 --output-len 256 --baseline hf \
      --result-file "$OUT/latency_qwen3_8b.json" 2>&1 | tail -25
+fi
+if [ "$what" = bench2 ] || [ "$what" = all ]; then
+  B="python3 -m lamina.cli bench"
   $B latency --model random:qwen3-8b --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --repeats 3 \
      --result-file "$OUT/prefill_qwen3_8b.json" 2>&1 | tail -25
+  $B prefix --model random:qwen3-0.6b --groups 16 --per-group 16 --prefix-len 4096 --question-len 128 \
+     --output-len 128 --max-num-batched-tokens 8192 --result-file "$OUT/prefix_qwen3_0.6b.json" 2>&1 | tail -30
 fi

@@ -48,6 +48,9 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--result-file", default=None)
     lat.set_defaults(func=cmd_latency)
 
+    from lamina.bench.prefix import add_prefix_bench_parser
+
+    add_prefix_bench_parser(bsub)
     try:
         from lamina.bench.serve import add_serve_bench_parser
     except ImportError:  # the serving client lands with the server

@@ -70,6 +70,16 @@ class BlockAllocator:
     def lookup(self, block_hash: int) -> int | None:
         return self._by_hash.get(block_hash)
 
+    def forget(self, blocks: list[int]) -> None:
+        """Unregisters blocks whose content cannot be trusted (their step failed)."""
+        for b in blocks:
+            h = self._hash_of.pop(b, None)
+            if h is not None:
+                del self._by_hash[h]
+                if self.ref_counts[b] == 0:
+                    del self._evictable[b]
+                    self._free.append(b)
+
     def register(self, block: int, block_hash: int) -> None:
         """Makes a full, computed block findable by its content hash (first writer wins)."""
         if block_hash not in self._by_hash and block not in self._hash_of:

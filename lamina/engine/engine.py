@@ -212,6 +212,7 @@ class LLMEngine:
                 continue
             group.error = f"{type(exc).__name__}: {exc}"
             for s in group.seqs:
+                self.allocator.forget(s.block_table)  # their KV may be garbage: never serve it from cache
                 if not s.finished:
                     s.finish_reason = "error"
                     self.scheduler.finish(s)
@@ -233,6 +234,9 @@ class LLMEngine:
                 prompt_logprobs_for_chunk(seq, logits[row0:row0 + nrows], seq.num_computed_tokens,
                                           seq.params.prompt_logprobs, self.detokenizer)
             seq.num_computed_tokens += item.num_tokens
+            # Registered now, not when read back: the next step may already reuse these blocks, and the
+            # device runs steps in order. Tokens still in flight are never hashed.
+            self.scheduler.register_computed(seq, seq.num_tokens - (seq.token_ids[-1] == PENDING))
         positions = []
         for seq in sampled:
             positions.append(seq.num_tokens)
@@ -247,9 +251,10 @@ class LLMEngine:
             seq = item.seq
             if not seq.finished:
                 touched[seq.request_id] = self.groups[seq.request_id]
-        if flight.draws is None:
-            for item in flight.scheduled:
+        for item in flight.scheduled:
+            if not item.sample and not item.seq.finished:  # a prompt chunk: its tokens are all known
                 self.scheduler.register_computed(item.seq, item.seq.num_tokens)
+        if flight.draws is None:
             return
         result = flight.draws.finish_copy(flight.copy)
         now = time.monotonic()

@@ -1,0 +1,86 @@
+"""`lamina bench prefix`: groups of requests sharing a long system prompt, prefix cache on vs off."""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+import torch
+
+from lamina.sampling_params import SamplingParams
+
+
+def add_prefix_bench_parser(bsub) -> None:
+    from lamina.cli import add_engine_args
+
+    p = bsub.add_parser("prefix", help="shared-prefix workload with the prefix cache on and off")
+    add_engine_args(p)
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--per-group", type=int, default=16)
+    p.add_argument("--prefix-len", type=int, default=4096)
+    p.add_argument("--question-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--result-file", default=None)
+    p.set_defaults(func=cmd_prefix)
+
+
+def _prompts(args, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(args.groups):
+        prefix = [rng.randrange(1000, vocab) for _ in range(args.prefix_len)]
+        out += [prefix + [rng.randrange(1000, vocab) for _ in range(args.question_len)]
+                for _ in range(args.per_group)]
+    rng.shuffle(out)  # groups arrive interleaved, as in a real server
+    return out
+
+
+def _run(kwargs: dict, args, cache: bool) -> dict:
+    from lamina.llm import LLM
+
+    llm = LLM(**{**kwargs, "enable_prefix_caching": cache})
+    eng = llm.engine
+    eng.stream_outputs = True  # per-request first-token times
+    prompts = _prompts(args, eng.model_config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate({"prompt_token_ids": [5] * 64}, SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    cached = 0
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", {"prompt_token_ids": p}, params)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id not in first and out.outputs[0].token_ids:
+                first[out.request_id] = time.perf_counter() - start
+            if out.finished:
+                cached += out.num_cached_tokens
+    elapsed = time.perf_counter() - start
+    total_prompt = sum(len(p) for p in prompts)
+    ttfts = sorted(first.values())
+    res = {"prefix_caching": cache, "elapsed_s": elapsed, "prompt_tokens": total_prompt,
+           "prefill_tokens_computed": total_prompt - cached, "ttft_median_s": statistics.median(ttfts),
+           "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))],
+           "output_tok_s": len(prompts) * args.output_len / elapsed}
+    del llm, eng
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def cmd_prefix(args: argparse.Namespace) -> int:
+    from lamina.bench.cli import _report
+    from lamina.cli import engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    on, off = _run(kwargs, args, True), _run(kwargs, args, False)
+    result = {"command": "prefix", "model": args.model, "groups": args.groups, "per_group": args.per_group,
+              "prefix_len": args.prefix_len, "question_len": args.question_len, "output_len": args.output_len,
+              "cache_on": on, "cache_off": off,
+              "prefill_reduction": 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"],
+              "ttft_median_speedup": off["ttft_median_s"] / on["ttft_median_s"]}
+    _report(result, args.result_file)
+    return 0
