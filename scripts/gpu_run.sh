@@ -29,11 +29,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   $B throughput --model random:qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 512 \
      --max-num-seqs 256 --max-num-batched-tokens 8192 --baseline hf --hf-attn "paged|sdpa" \
      --result-file "$OUT/throughput_qwen3_0.6b.json" 2>&1 | grep -vE "it/s|tensor/s" | tail -30
-  $B latency --model random:qwen3-8b --input-len 128 --output-len 256 --baseline hf \
-     --result-file "$OUT/latency_qwen3_8b.json" 2>&1 | tail -25
 fi
 if [ "$what" = bench2 ] || [ "$what" = all ]; then
   B="python3 -m lamina.cli bench"
+  $B latency --model random:qwen3-8b --input-len 128 --output-len 256 --baseline hf \
+     --result-file "$OUT/latency_qwen3_8b.json" 2>&1 | tail -25
   $B latency --model random:qwen3-8b --input-len 8192 --output-len 2 --max-num-batched-tokens 8192 --repeats 3 \
      --result-file "$OUT/prefill_qwen3_8b.json" 2>&1 | tail -25
   $B prefix --model random:qwen3-0.6b --groups 16 --per-group 16 --prefix-len 4096 --question-len 128 \

@@ -33,6 +33,7 @@ def run_throughput(llm, wl: Workload) -> dict[str, float]:
 def run_latency(llm, prompt: list[int], output_len: int, repeats: int = 3) -> dict[str, float]:
     """Single request: time to first token and decode tokens/s (median of repeats)."""
     eng = llm.engine
+    eng.stream_outputs = True  # every step's output, to see the first token arrive
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     ttfts, decode_rates = [], []
     for r in range(repeats + 1):

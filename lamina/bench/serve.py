@@ -41,7 +41,8 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
     p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent (and not counted) before each run")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompts of sweep point i use seed + i")
+    p.add_argument("--same-prompts", action="store_true", help="reuse the same prompts at every sweep point")
     p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout (s)")
     p.add_argument("--result-file", default=None, help="write the results as JSON")
     p.add_argument("--plot", default=None, help="PNG of latency percentiles vs concurrency (with a sweep)")
@@ -98,8 +99,13 @@ def _server_model(base_url: str, headers: dict) -> str:
     return r.json()["data"][0]["id"]
 
 
-def server_gauges(base_url: str) -> dict[str, float]:
-    """Request and KV-cache gauges from the server's /metrics (lamina: or vllm: names), if it has them."""
+_GAUGES = (":num_requests_", ":kv_cache_")
+_COUNTERS = (":prompt_tokens", ":generation_tokens", ":prefix_cache_")
+
+
+def server_metrics(base_url: str) -> dict[str, float]:
+    """Request/KV gauges and token/prefix-cache counters from the server's /metrics (lamina: or vllm: names),
+    if it has them."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -108,9 +114,11 @@ def server_gauges(base_url: str) -> dict[str, float]:
             return {}
         out: dict[str, float] = {}
         for fam in text_string_to_metric_families(r.text):
-            if fam.type == "gauge" and (":num_requests_" in fam.name or ":kv_cache_" in fam.name):
+            wanted = _GAUGES if fam.type == "gauge" else _COUNTERS if fam.type == "counter" else ()
+            if any(w in fam.name for w in wanted):
                 for s in fam.samples:
-                    out[s.name] = out.get(s.name, 0.0) + s.value
+                    if not s.name.endswith("_created"):
+                        out[s.name] = out.get(s.name, 0.0) + s.value
         return out
     except (httpx.HTTPError, ValueError):
         return {}
@@ -124,15 +132,22 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     model = args.model or _server_model(base, key_headers)
     target = Target(base, model, args.endpoint, args.api_key, args.ignore_eos, args.temperature,
                     json.loads(args.extra_body))
-    reqs = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.prompt_type,
-                         args.vocab_size, args.seed)
     runs: list[RunSummary] = []
-    for conc in parse_concurrency(args.max_concurrency):
-        summary = asyncio.run(run_once(target, reqs, conc, args.request_rate, args.seed, args.timeout,
+    for i, conc in enumerate(parse_concurrency(args.max_concurrency)):
+        # Fresh prompts for each sweep point (drawn the same way): a server's prefix cache must not turn the
+        # later points' prefills into cache hits.
+        seed = args.seed if args.same_prompts else args.seed + i
+        reqs = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.prompt_type,
+                             args.vocab_size, seed)
+        before = server_metrics(base)
+        summary = asyncio.run(run_once(target, reqs, conc, args.request_rate, seed, args.timeout,
                                        not args.disable_tqdm, args.num_warmups))
+        after = server_metrics(base)
+        summary.server_counters = {k: after[k] - before.get(k, 0.0) for k in after
+                                   if any(c in k for c in _COUNTERS)}
         print(format_summary(summary), flush=True)
         runs.append(summary)
-    gauges = server_gauges(base)
+    gauges = {k: v for k, v in server_metrics(base).items() if any(g in k for g in _GAUGES)}
     if gauges:
         print("server after the run: " + ", ".join(f"{k}={v:g}" for k, v in sorted(gauges.items())))
     result = {"command": "serve", "base_url": base, "model": model, "endpoint": args.endpoint,

@@ -9,6 +9,7 @@ def plot_sweep(runs: list[RunSummary], path: str, title: str) -> None:
 
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     runs = [r for r in runs if r.max_concurrency is not None]
     x = [r.max_concurrency for r in runs]
@@ -18,6 +19,7 @@ def plot_sweep(runs: list[RunSummary], path: str, title: str) -> None:
             ax.plot(x, [getattr(getattr(r, attr), pct) for r in runs], style, label=pct)
         ax.set_title(f"{name} (ms)")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())  # plain numbers, not 10^x, on the log axis
     ax = axes[3]
     ax.plot(x, [r.output_throughput for r in runs], "o-", label="output tok/s")
     ax.plot(x, [r.total_token_throughput for r in runs], "s--", label="total tok/s")

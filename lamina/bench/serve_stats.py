@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,7 @@ class RunSummary:
     itl_ms: Dist  # gaps between streamed chunks (one chunk may carry several tokens)
     e2el_ms: Dist
     errors: list[str]
+    server_counters: dict[str, float] = field(default_factory=dict)  # server-side deltas over the run
 
     def to_dict(self) -> dict:
         """Plain JSON: inf/NaN (unlimited rate, empty distributions) become "inf"/null."""
@@ -85,6 +86,8 @@ def format_summary(s: RunSummary) -> str:
     for name, d in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("ITL", s.itl_ms), ("E2E latency", s.e2el_ms)):
         lines.append(f"{name + ' (ms)':<18}mean {d.mean:>10.1f}  p50 {d.p50:>10.1f}  p90 {d.p90:>10.1f}  "
                      f"p99 {d.p99:>10.1f}")
+    for k, v in sorted(s.server_counters.items()):
+        lines.append(f"{'server ' + k.split(':', 1)[-1] + ':':<40}{v:>12g}")
     for e in s.errors:
         lines.append(f"error: {e}")
     return "\n".join(lines)

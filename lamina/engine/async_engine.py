@@ -37,7 +37,7 @@ class EngineDeadError(EngineError):
 
 @dataclass
 class FinishedRequest:
-    finish_reason: str  # of the first sample; "abort" for requests cut short
+    finish_reason: str  # of the first sample: "stop", "length" or "error" (aborts are not counted)
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
@@ -47,6 +47,7 @@ class FinishedRequest:
 class IterationStats:
     """What one engine iteration did, in the units Prometheus wants."""
     num_prompt_tokens: int = 0  # prompts that got their first token this iteration
+    num_cached_prompt_tokens: int = 0  # of those, tokens served from the prefix cache
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -128,6 +129,8 @@ _STOP = object()
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
         self.engine = engine
+        if hasattr(engine, "stream_outputs"):
+            engine.stream_outputs = True  # every step's progress, not just finished requests
         self.observer = observer
         self._cmds: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -256,6 +259,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            _drop_pending(out)
             self._track(out, now, it)
             stream.put(out)
             if out.finished:
@@ -274,6 +278,7 @@ class AsyncEngine:
                 if not tr.first_token:
                     tr.first_token = True
                     it.num_prompt_tokens += len(out.prompt_token_ids)
+                    it.num_cached_prompt_tokens += out.num_cached_tokens
                     it.time_to_first_tokens.append(now - tr.arrival)
                 elif comp.index in tr.last_token_time:
                     gap = (now - tr.last_token_time[comp.index]) / (n - prev)
@@ -314,3 +319,12 @@ class AsyncEngine:
                 self.observer.on_iteration(it, self.last_stats)
             except Exception:  # metrics must never take the engine down
                 log.exception("engine observer failed")
+
+
+def _drop_pending(out: RequestOutput) -> None:
+    """The engine reads tokens back one step late and lists a not-yet-known token as a negative placeholder
+    at the end of token_ids; consumers (token counts, logprob alignment, metrics) must only see real ones."""
+    for comp in out.outputs:
+        ids = comp.token_ids
+        while ids and ids[-1] < 0:
+            ids.pop()

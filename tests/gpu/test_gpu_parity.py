@@ -65,13 +65,36 @@ SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a ti
                 "The three primary colors are"]
 
 
-@pytest.mark.skipif(not os.environ.get("LAMINA_SMOLLM2_GGUF"), reason="set LAMINA_SMOLLM2_GGUF to the GGUF file")
-def test_smollm2_bf16_gpu_greedy_matches_fp32_cpu():
+@pytest.fixture(scope="module")
+def smollm2_cpu():
+    """fp32 CPU greedy runs (the reference) with the top-2 logprobs of every step."""
     path = os.environ["LAMINA_SMOLLM2_GGUF"]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    cpu = LLM(model=path, dtype="float32", device="cpu", progress=False).generate(SMOL_PROMPTS, params, use_tqdm=False)
-    gpu = LLM(model=path, dtype="bfloat16", device="cuda", progress=False).generate(SMOL_PROMPTS, params,
-                                                                                   use_tqdm=False)
-    for c, g in zip(cpu, gpu):
-        print(repr(c.outputs[0].text), "|", repr(g.outputs[0].text))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    return LLM(model=path, dtype="float32", device="cpu", progress=False).generate(SMOL_PROMPTS, params,
+                                                                                 use_tqdm=False)
+
+
+needs_smollm2 = pytest.mark.skipif(not os.environ.get("LAMINA_SMOLLM2_GGUF"),
+                                   reason="set LAMINA_SMOLLM2_GGUF to the GGUF file")
+
+
+@needs_smollm2
+def test_smollm2_fp32_gpu_greedy_matches_fp32_cpu(smollm2_cpu):
+    gpu = LLM(model=os.environ["LAMINA_SMOLLM2_GGUF"], dtype="float32", device="cuda", progress=False).generate(
+        SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for c, g in zip(smollm2_cpu, gpu):
         assert g.outputs[0].token_ids == c.outputs[0].token_ids
+
+
+@needs_smollm2
+def test_smollm2_bf16_gpu_greedy_matches_fp32_cpu_until_a_near_tie(smollm2_cpu):
+    """bf16 may flip a greedy choice only where fp32's top two tokens are closer than bf16 noise."""
+    gpu = LLM(model=os.environ["LAMINA_SMOLLM2_GGUF"], dtype="bfloat16", device="cuda", progress=False).generate(
+        SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for c, g in zip(smollm2_cpu, gpu):
+        ref, ours = c.outputs[0].token_ids, g.outputs[0].token_ids
+        margins = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in c.outputs[0].logprobs]
+        first_tie = next((i for i, m in enumerate(margins) if m[0] - m[1] < 0.1), len(ref))
+        same = next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), len(ref))
+        print(f"agree for {same} tokens; first fp32 near-tie at {first_tie}: {g.outputs[0].text!r}")
+        assert same >= first_tie
