@@ -5,21 +5,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from model_factory import FAMILY_CONFIGS, make_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
-
-FAMILY_CONFIGS = {
-    "llama": ("LlamaConfig", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                   "original_max_position_embeddings": 64})),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
-    "mistral": ("MistralConfig", dict(sliding_window=12, head_dim=16)),
-}
 
 
 @pytest.fixture(scope="session")
@@ -33,32 +22,9 @@ def smol_tokenizer():
     return load_tokenizer(resolve_source(DEFAULT_MODEL))
 
 
-def make_checkpoint(path: Path, family: str, tokenizer, seed: int = 0, **overrides) -> Path:
-    """Saves a random fp32 model of `family` with HF transformers, plus a tokenizer, into `path`."""
-    import transformers
-
-    cls_name, extra = FAMILY_CONFIGS[family]
-    cfg = getattr(transformers, cls_name)(**{**SMALL, **extra, **overrides}, vocab_size=len(tokenizer),
-                                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
     return {f: make_checkpoint(root / f, f, smol_tokenizer, seed=i) for i, f in enumerate(FAMILY_CONFIGS)}
 
 
-def hf_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
-    """log_softmax of HF transformers' logits at every position (eager attention, fp32)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="eager")
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0]
-    return logits.float().log_softmax(-1)

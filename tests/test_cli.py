@@ -5,7 +5,7 @@ import io
 
 import torch
 
-from conftest import hf_logprobs, make_checkpoint
+from model_factory import hf_logprobs, make_checkpoint
 from lamina import LLM, SamplingParams
 from lamina.cli import main
 

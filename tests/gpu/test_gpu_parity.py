@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import FAMILY_CONFIGS, hf_logprobs
+from model_factory import FAMILY_CONFIGS, hf_logprobs
 from lamina import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
