@@ -27,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of shared prompt prefixes")
+    p.add_argument("--num-state-snapshots", type=int, default=None,
+                   help="hybrid models: recurrent-state snapshots kept for prefix caching (default: 2 x max-num-seqs)")
+    p.add_argument("--state-snapshot-interval", type=int, default=256,
+                   help="hybrid models: tokens between state snapshots (a multiple of block-size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the unseeded-request generator")
 
 
@@ -35,7 +39,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager, seed=args.seed,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,
+                state_snapshot_interval=args.state_snapshot_interval)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

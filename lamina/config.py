@@ -19,6 +19,10 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    # Hybrid models: recurrent-state snapshots for prefix caching (rows allocated once; None: 2 * max_num_seqs)
+    # and the spacing of the periodic ones in tokens (a multiple of block_size).
+    num_state_snapshots: int | None = None
+    state_snapshot_interval: int = 256
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:

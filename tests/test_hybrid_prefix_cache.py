@@ -47,7 +47,7 @@ def all_free(llm: LLM) -> bool:
     snaps = eng.snapshots
     return eng.allocator.num_free == eng.allocator.num_blocks and eng.state_pool.num_free == eng.state_pool.num_slots \
         and not eng.scheduler.running and not eng.scheduler.waiting and not eng.groups \
-        and (snaps is None or snaps.num_used + len(snaps._free) == snaps.num_snapshots)
+        and (snaps is None or snaps.num_used + snaps.num_free == snaps.num_snapshots)
 
 
 def shared_prefix_prompts(n_groups: int = 2, per_group: int = 4, prefix_len: int = 22, seed: int = 0) -> list[dict]:
@@ -132,7 +132,7 @@ def test_eviction_prefers_deep_recent_snapshots(ckpt):
     long = {"prompt_token_ids": list(range(4000, 4033))}  # snapshots at 8, 16, 24, 32: only 2 rows
     llm.generate(long, GREEDY, use_tqdm=False)
     # Positions 8 and 16 were evicted first (older and shallower); 24 and 32 remain.
-    assert sorted(snaps._pos[s] for s in snaps._hash_of) == [24, 32]
+    assert snaps.positions() == [24, 32]
     out = llm.generate(long, GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 32
     assert all_free(llm)

@@ -63,7 +63,8 @@ def _run(kwargs: dict, args, cache: bool) -> dict:
     res = {"prefix_caching": cache, "elapsed_s": elapsed, "prompt_tokens": total_prompt,
            "prefill_tokens_computed": total_prompt - cached, "ttft_median_s": statistics.median(ttfts),
            "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))],
-           "output_tok_s": len(prompts) * args.output_len / elapsed}
+           "output_tok_s": len(prompts) * args.output_len / elapsed,
+           "snapshot_hits": eng.stats().num_snapshot_hits}  # hybrid models: restored state snapshots
     del llm, eng
     gc.collect()
     if torch.cuda.is_available():

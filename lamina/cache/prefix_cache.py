@@ -2,10 +2,12 @@
 
 A new sequence reuses the longest chain of cached blocks that matches its tokens; the shared blocks are
 reference-counted by the allocator, which keeps unreferenced cached blocks until it must evict them (LRU).
+For hybrid models a hit also needs a snapshot of the recurrent state at its end (cache/state_snapshots.py).
 """
 from __future__ import annotations
 
 from lamina.cache.block_allocator import BlockAllocator
+from lamina.cache.state_snapshots import StateSnapshots
 from lamina.engine.request import Sequence
 
 
@@ -15,8 +17,9 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...], extra: object = None
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, snapshots: StateSnapshots | None = None) -> None:
         self.allocator, self.block_size = allocator, block_size
+        self.snapshots = snapshots  # hybrid models: recurrent-state snapshots keyed by the same chain hashes
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -28,18 +31,55 @@ class PrefixCache:
             hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return hashes[:n_blocks]
 
-    def match(self, seq: Sequence) -> list[int]:
-        """Cached blocks for the longest matching prefix, each now shared by `seq`. At least one token is
-        always left to compute, since the step must produce logits."""
+    def match(self, seq: Sequence) -> tuple[list[int], int | None]:
+        """Cached blocks for the longest usable matching prefix, each now shared by `seq`, and (hybrid models)
+        the snapshot to restore at its end. At least one token is always left to compute, since the step must
+        produce logits. With snapshots, the prefix ends at the deepest block whose chain hash has both a
+        cached KV block chain up to it and a state snapshot: KV without the state there is useless."""
         usable = (seq.num_tokens - 1) // self.block_size
-        blocks = []
-        for h in self._hashes(seq, usable):
+        hashes = self._hashes(seq, usable)
+        found = []
+        for h in hashes:
             b = self.allocator.lookup(h)
             if b is None:
                 break
+            found.append(b)
+        snap = None
+        if self.snapshots is not None:
+            depth = 0
+            for i in range(len(found) - 1, -1, -1):
+                snap = self.snapshots.lookup(hashes[i])
+                if snap is not None:
+                    depth = i + 1
+                    break
+            found = found[:depth]
+        for b in found:
             self.allocator.share(b)
-            blocks.append(b)
-        return blocks
+        return found, snap
+
+    def restore(self, snap: int | None, slot: int | None) -> None:
+        """Copies the matched snapshot into the sequence's freshly leased state slot."""
+        if snap is not None:
+            self.snapshots.restore(snap, slot)
+
+    def snapshot(self, seq: Sequence) -> None:
+        """Called right after a step was launched: snapshots the sequence's state if the step ended at a
+        snapshot position (the scheduler cuts chunks so that it does)."""
+        p = seq.num_computed_tokens
+        if self.snapshots is None or seq.state_slot is None or not self.snapshots.is_snapshot_pos(seq.num_tokens, p):
+            return
+        h = self._hashes(seq, p // self.block_size)[-1]  # p < num_tokens: every hashed token is known
+        self.snapshots.save(seq.state_slot, h, p, lambda ch: self.allocator.lookup(ch) is not None)
+
+    def next_snapshot(self, seq: Sequence) -> int | None:
+        """Where the sequence's next prefill chunk must end so that its state there can be snapshotted."""
+        if self.snapshots is None:
+            return None
+        return self.snapshots.next_pos(seq.num_tokens, seq.num_computed_tokens)
+
+    @property
+    def snapshot_hits(self) -> int:
+        return self.snapshots.hits if self.snapshots is not None else 0
 
     def count(self, seq: Sequence, hit_tokens: int) -> None:
         """Statistics of an admission that went through (a failed one is retried and counted then)."""

@@ -16,6 +16,7 @@ from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.kv_cache import KVCache
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.state_pool import StatePool
+from lamina.cache.state_snapshots import StateSnapshots
 from lamina.config import EngineConfig
 from lamina.engine.detokenizer import Detokenizer, initial_state
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
@@ -39,6 +40,7 @@ class EngineStats:
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    num_snapshot_hits: int = 0  # hybrid prefix-cache hits (restored state snapshots), cumulative
 
     @property
     def kv_cache_usage(self) -> float:
@@ -60,6 +62,11 @@ class LLMEngine:
         # so on CUDA the KV budget sees the memory they take).
         self.state_pool = StatePool.for_model(self.model, config.max_num_seqs, self.dtype, self.device)
         bs = config.block_size
+        # Their prefix caching also needs snapshots of that state (allocated here for the same reason).
+        self.snapshots = None
+        if config.enable_prefix_caching and self.state_pool is not None:
+            n_snap = 2 * config.max_num_seqs if config.num_state_snapshots is None else config.num_state_snapshots
+            self.snapshots = StateSnapshots(self.state_pool, n_snap, config.state_snapshot_interval, bs)
         peak = 0
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
             from lamina.engine.profile import profile_peak_bytes
@@ -77,9 +84,9 @@ class LLMEngine:
                     / 2**30, peak / 2**30)
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = None
-        if config.enable_prefix_caching and self.state_pool is None:
-            # Recurrent state cannot be rolled back to a prefix: hybrid models need state snapshots first.
-            self.prefix_cache = PrefixCache(self.allocator, bs)
+        if config.enable_prefix_caching:
+            # Recurrent state cannot be rolled back to a prefix: hybrid models hit only where a snapshot is.
+            self.prefix_cache = PrefixCache(self.allocator, bs, self.snapshots)
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.state_pool.allocator if self.state_pool is not None else None,
                                    self.prefix_cache)
@@ -168,7 +175,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.num_free,
-                           self.allocator.num_blocks)
+                           self.allocator.num_blocks,
+                           self.prefix_cache.snapshot_hits if self.prefix_cache is not None else 0)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -213,6 +221,8 @@ class LLMEngine:
             group.error = f"{type(exc).__name__}: {exc}"
             for s in group.seqs:
                 self.allocator.forget(s.block_table)  # their KV may be garbage: never serve it from cache
+                if self.snapshots is not None:
+                    self.snapshots.forget(s.block_hashes)
                 if not s.finished:
                     s.finish_reason = "error"
                     self.scheduler.finish(s)
@@ -237,6 +247,7 @@ class LLMEngine:
             # Registered now, not when read back: the next step may already reuse these blocks, and the
             # device runs steps in order. Tokens still in flight are never hashed.
             self.scheduler.register_computed(seq, seq.num_tokens - (seq.token_ids[-1] == PENDING))
+            self.scheduler.snapshot(seq)  # stream-ordered after this forward (see cache/state_snapshots.py)
         positions = []
         for seq in sampled:
             positions.append(seq.num_tokens)

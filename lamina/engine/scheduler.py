@@ -87,7 +87,7 @@ class Scheduler:
             if seq.num_output_tokens >= seq.max_tokens:  # its last token is still in flight: nothing to do
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             while not self._grow(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -103,8 +103,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.state_slots is not None and self.state_slots.num_free == 0:
                 break  # no more sequences than state slots (checked before blocks are taken)
-            hit = self._reuse_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            hit, snap = self._reuse_prefix(seq)
+            n = self._chunk(seq, budget)
             if not self._grow(seq, n):
                 if hit:  # undo the reuse; the sequence stays first in line
                     self.allocator.free(seq.block_table[::-1])
@@ -115,20 +115,36 @@ class Scheduler:
             self.waiting.popleft()
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.allocate()
+                if snap is not None:  # enqueued before this step's forward, after the step that saved it
+                    self.prefix_cache.restore(snap, seq.state_slot)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
 
-    def _reuse_prefix(self, seq: Sequence) -> int | None:
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute this step; a prefill chunk of a hybrid model with prefix caching ends at the next
+        state-snapshot position, since the recurrent state exists only at the end of a step."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if self.prefix_cache is not None:
+            nxt = self.prefix_cache.next_snapshot(seq)
+            if nxt is not None:
+                n = min(n, nxt - seq.num_computed_tokens)
+        return n
+
+    def _reuse_prefix(self, seq: Sequence) -> tuple[int | None, int | None]:
         """Starts a fresh sequence after its longest cached prefix; returns the tokens reused (None: the
-        cache was not consulted)."""
+        cache was not consulted) and, for hybrid models, the state snapshot to restore once a slot is leased."""
         if self.prefix_cache is None or seq.num_computed_tokens or seq.needs_prompt_logprobs():
-            return None  # prompt logprobs need every prompt position computed
-        seq.block_table = self.prefix_cache.match(seq)
+            return None, None  # prompt logprobs need every prompt position computed
+        seq.block_table, snap = self.prefix_cache.match(seq)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        return seq.num_computed_tokens
+        return seq.num_computed_tokens, snap
+
+    def snapshot(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.snapshot(seq)
 
     def register_computed(self, seq: Sequence, known_tokens: int) -> None:
         if self.prefix_cache is not None:

@@ -38,6 +38,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("lamina:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
         self.prefix_hits = Counter("lamina:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                                    labels, registry=r)
+        self.snapshot_hits = Counter("lamina:prefix_cache_snapshot_hits",
+                                     "Hybrid models: prefix hits served by restoring a recurrent-state snapshot.",
+                                     labels, registry=r)
+        self._snapshot_hits_seen = 0  # the engine keeps a running total; the counter gets the increments
         self.generation_tokens = Counter("lamina:generation_tokens", "Tokens generated.", labels, registry=r)
         self.request_success = Counter("lamina:request_success", "Requests finished, by finish reason.",
                                        labels + ["finished_reason"], registry=r)
@@ -58,8 +62,8 @@ class ServerMetrics:
 
         # Children exist from the start, so every series reads 0 before its first event (not absent).
         for metric in (self.running, self.waiting, self.kv_usage, self.free_blocks, self.total_blocks,
-                       self.prompt_tokens, self.prefix_hits, self.generation_tokens, self.step_failures, self.ttft,
-                       self.itl, self.e2e, self.prompt_len, self.gen_len):
+                       self.prompt_tokens, self.prefix_hits, self.snapshot_hits, self.generation_tokens,
+                       self.step_failures, self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len):
             metric.labels(model_name)
         for reason in ("stop", "length", "error"):
             self.request_success.labels(model_name, reason)
@@ -76,6 +80,9 @@ class ServerMetrics:
             self.prompt_tokens.labels(m).inc(it.num_prompt_tokens)
         if it.num_cached_prompt_tokens:
             self.prefix_hits.labels(m).inc(it.num_cached_prompt_tokens)
+        if stats.num_snapshot_hits > self._snapshot_hits_seen:
+            self.snapshot_hits.labels(m).inc(stats.num_snapshot_hits - self._snapshot_hits_seen)
+            self._snapshot_hits_seen = stats.num_snapshot_hits
         if it.num_generation_tokens:
             self.generation_tokens.labels(m).inc(it.num_generation_tokens)
         if it.step_failed:
