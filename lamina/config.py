@@ -19,6 +19,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    # Read sampled tokens back one step late so host work overlaps device work. Default: on for CUDA; on the
+    # CPU there is nothing to overlap and it would only delay each token by a step.
+    async_scheduling: bool | None = None
     # Hybrid models: recurrent-state snapshots for prefix caching (rows allocated once; None: 2 * max_num_seqs)
     # and the spacing of the periodic ones in tokens (a multiple of block_size).
     num_state_snapshots: int | None = None

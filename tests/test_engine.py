@@ -34,17 +34,19 @@ def alone(checkpoints):
     return [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts(16)]
 
 
-def test_batch_invariance_with_chunked_prefill(checkpoints, alone):
+@pytest.mark.parametrize("overlap", [False, True])  # True: tokens read back one step late, as on the GPU
+def test_batch_invariance_with_chunked_prefill(checkpoints, alone, overlap):
     # A 16-token budget forces chunked prefill and mixes prefill chunks with decode tokens in one forward.
-    llm = make(checkpoints["llama"], num_kv_blocks=256, max_num_batched_tokens=16)
+    llm = make(checkpoints["llama"], num_kv_blocks=256, max_num_batched_tokens=16, async_scheduling=overlap)
     outs = llm.generate(prompts(16), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert all_free(llm)
 
 
-def test_preemption_gives_identical_outputs(checkpoints, alone):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_gives_identical_outputs(checkpoints, alone, overlap):
     # 40 blocks of 4 tokens cannot hold 16 sequences of up to ~93 tokens: the scheduler must preempt.
-    llm = make(checkpoints["llama"], num_kv_blocks=40, max_num_batched_tokens=64)
+    llm = make(checkpoints["llama"], num_kv_blocks=40, max_num_batched_tokens=64, async_scheduling=overlap)
     outs = llm.generate(prompts(16), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert all_free(llm)
@@ -65,7 +67,7 @@ def test_preemption_actually_happens(checkpoints):
 def test_seeded_sampling_preempted_matches_unpreempted(checkpoints):
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=24, ignore_eos=True) for i in range(16)]
     roomy = make(checkpoints["llama"], num_kv_blocks=256).generate(prompts(16), params, use_tqdm=False)
-    tight = make(checkpoints["llama"], num_kv_blocks=40, max_num_batched_tokens=64).generate(
+    tight = make(checkpoints["llama"], num_kv_blocks=40, max_num_batched_tokens=64, async_scheduling=True).generate(
         prompts(16), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in roomy] == [o.outputs[0].token_ids for o in tight]
 

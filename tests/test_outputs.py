@@ -9,9 +9,11 @@ from lamina.engine.detokenizer import Detokenizer, initial_state
 PROMPT = {"prompt_token_ids": [1000 + 37 * i for i in range(12)]}
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoints):
-    return LLM(model=str(checkpoints["qwen3"]), dtype="float32", device="cpu", num_kv_blocks=128, progress=False)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def llm(checkpoints, request):
+    # overlap: tokens read back one step late (the GPU default); stops must still cut at the right token.
+    return LLM(model=str(checkpoints["qwen3"]), dtype="float32", device="cpu", num_kv_blocks=128, progress=False,
+               async_scheduling=request.param)
 
 
 def greedy(llm, **kw):

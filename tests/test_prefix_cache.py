@@ -35,11 +35,11 @@ def all_free(llm):
     return a.num_free == a.num_blocks and not llm.engine.groups
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_shared_prefixes_concurrent_and_sequential(checkpoints, family):
+@pytest.mark.parametrize("family, overlap", [("llama", False), ("llama", True), ("mistral", True)])
+def test_shared_prefixes_concurrent_and_sequential(checkpoints, family, overlap):
     prompts = shared_prefix_prompts()
     off = tokens(make(checkpoints[family], False).generate(prompts, GREEDY, use_tqdm=False))
-    llm = make(checkpoints[family], True)
+    llm = make(checkpoints[family], True, async_scheduling=overlap)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == off  # concurrent: hits within the batch
     again = llm.generate(prompts, GREEDY, use_tqdm=False)  # sequential: everything but the tail is cached
     assert tokens(again) == off

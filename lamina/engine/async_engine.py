@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
+import torch
+
 from lamina.engine.engine import EngineStats, LLMEngine
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
@@ -195,7 +197,9 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            self._serve()
+            # Grad mode is per thread: the main thread's settings do not reach this one.
+            with torch.inference_mode():
+                self._serve()
         except BaseException:  # a bug here must not leave callers waiting forever on their streams
             log.exception("the engine loop died")
             self._fail_all("the engine loop died", EngineDeadError)
@@ -259,7 +263,6 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            _drop_pending(out)
             self._track(out, now, it)
             stream.put(out)
             if out.finished:
@@ -292,7 +295,7 @@ class AsyncEngine:
 
     def _fail_all(self, message: str, kind: type[EngineError]) -> None:
         """Fails every request in flight and returns their blocks, so the engine starts over clean."""
-        for rid in set(self._streams) | set(self.engine.groups):
+        for rid in set(self._streams) | set(self.engine.request_ids()):
             try:
                 self.engine.abort_request(rid)
             except Exception:
@@ -319,12 +322,3 @@ class AsyncEngine:
                 self.observer.on_iteration(it, self.last_stats)
             except Exception:  # metrics must never take the engine down
                 log.exception("engine observer failed")
-
-
-def _drop_pending(out: RequestOutput) -> None:
-    """The engine reads tokens back one step late and lists a not-yet-known token as a negative placeholder
-    at the end of token_ids; consumers (token counts, logprob alignment, metrics) must only see real ones."""
-    for comp in out.outputs:
-        ids = comp.token_ids
-        while ids and ids[-1] < 0:
-            ids.pop()

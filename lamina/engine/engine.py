@@ -41,6 +41,7 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_snapshot_hits: int = 0  # hybrid prefix-cache hits (restored state snapshots), cumulative
+    num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, cumulative
 
     @property
     def kv_cache_usage(self) -> float:
@@ -106,6 +107,8 @@ class LLMEngine:
         # wants finished requests, which saves building outputs and decoding text on every step.
         self.stream_outputs = True
         self.in_flight: InFlight | None = None  # the launched step whose tokens are not read back yet
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -170,13 +173,21 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         return self._output(group)
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests not finished yet (e.g. to abort them all)."""
+        return list(self.groups)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.num_free,
+        """Requests (not sequences: n > 1 counts once) running and waiting, and the KV pool's state."""
+        running = {s.request_id for s in self.scheduler.running}
+        waiting = {s.request_id for s in self.scheduler.waiting} - running
+        return EngineStats(len(running), len(waiting), self.allocator.num_free,
                            self.allocator.num_blocks,
-                           self.prefix_cache.snapshot_hits if self.prefix_cache is not None else 0)
+                           self.prefix_cache.snapshot_hits if self.prefix_cache is not None else 0,
+                           self.prefix_cache.queried_tokens if self.prefix_cache is not None else 0)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -253,7 +264,7 @@ class LLMEngine:
             positions.append(seq.num_tokens)
             seq.token_ids.append(PENDING)
         # Rows whose next sampling reads their history need their token on the host before that.
-        sync = any(needs_history(s) for s in sampled)
+        sync = not self.async_scheduling or any(needs_history(s) for s in sampled)
         return InFlight(sched.scheduled, list(zip(sampled, positions)), draws, sync, draws.start_copy() if draws
                         else None)
 
@@ -294,8 +305,15 @@ class LLMEngine:
                 self.scheduler.register_computed(seq, idx + 1)
 
     def _output(self, group: RequestGroup) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, s.output_token_ids, s.cumulative_logprob if s.logprobs is not None
-                                 else None, s.logprobs, s.finish_reason, s.stop_reason) for s in group.seqs]
+        outs = []
+        for s in group.seqs:
+            ids = s.output_token_ids
+            if ids and ids[-1] == PENDING:  # the token of the step still in flight is not known yet
+                ids.pop()
+            # Copies: a streaming consumer on another thread must not see these lists grow.
+            outs.append(CompletionOutput(s.index, s.text, ids, s.cumulative_logprob if s.logprobs is not None
+                                         else None, None if s.logprobs is None else list(s.logprobs),
+                                         s.finish_reason, s.stop_reason))
         first = group.seqs[0]
         metrics = {"arrival_time": group.arrival_time}
         if first.first_token_time is not None:

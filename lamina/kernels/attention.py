@@ -7,7 +7,7 @@ Decode is the special case query_len == 1 for every sequence.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,8 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None  # [B] int64
     state_slots_cpu: list[int] | None = None
     has_initial_state: torch.Tensor | None = None  # [B] bool: num_computed_tokens > 0
+    # Host-side plans the reference derives once per step and reuses in every layer.
+    ref_plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -70,41 +72,53 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out.reshape(b, l, hq, v.shape[-1]).to(q.dtype)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """[B, n_blocks*block_size, H, D] view of the context held in each row's first n_blocks blocks."""
-    blocks = cache[block_table[:, :n_blocks].long()]  # [B, n, bs, H, D]
-    return blocks.flatten(1, 2)
+@dataclass
+class _Group:
+    """Sequences attended together: all decode rows at once, or one prefill chunk."""
+
+    q_rows: torch.Tensor  # [B*L] rows of q, sequence-major
+    blocks: torch.Tensor  # [B, n] int64 block ids covering the longest context
+    mask: torch.Tensor  # [B, L, n*block_size] True = attend
+    batch: int
+    qlen: int
+
+
+def _plan(meta: AttentionMetadata, bs: int, sliding_window: int | None, device: torch.device) -> list[_Group]:
+    key = (bs, sliding_window)
+    if key in meta.ref_plans:
+        return meta.ref_plans[key]
+    qs, lens = meta.query_start_cpu, meta.seq_lens_cpu
+    decode = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1]
+    groups = [decode] if decode else []
+    groups += [[i] for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > 1]
+    plans = []
+    for rows in groups:
+        qlen = qs[rows[0] + 1] - qs[rows[0]]
+        n_blocks = (max(lens[i] for i in rows) + bs - 1) // bs
+        idx = torch.tensor(rows, device=device)
+        blocks = meta.block_tables.index_select(0, idx)[:, :n_blocks].long()
+        seq_len = torch.tensor([lens[i] for i in rows], device=device)
+        key_pos = torch.arange(n_blocks * bs, device=device)
+        q_pos = seq_len[:, None] - qlen + torch.arange(qlen, device=device)[None]  # [B, L]
+        mask = key_pos[None, None] <= q_pos[:, :, None]
+        if sliding_window is not None:
+            mask &= key_pos[None, None] > q_pos[:, :, None] - sliding_window
+        q_rows = torch.tensor([r for i in rows for r in range(qs[i], qs[i + 1])], device=device)
+        plans.append(_Group(q_rows, blocks, mask, len(rows), qlen))
+    meta.ref_plans[key] = plans
+    return plans
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, Dv], reading all K/V (this step's included) from the pool."""
-    bs = k_cache.shape[1]
     out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    qs, lens = meta.query_start_cpu, meta.seq_lens_cpu
-    decode = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1]
-    groups = [decode] if decode else []
-    groups += [[i] for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > 1]
-    for rows in groups:
+    for g in _plan(meta, k_cache.shape[1], sliding_window, q.device):
         # Decode rows share one batched gather; each prefill runs alone (its query length differs).
-        idx = torch.tensor(rows, device=q.device)
-        qlen = qs[rows[0] + 1] - qs[rows[0]]
-        max_len = max(lens[i] for i in rows)
-        n_blocks = (max_len + bs - 1) // bs
-        k = _gather(k_cache, meta.block_tables.index_select(0, idx), n_blocks)
-        v = _gather(v_cache, meta.block_tables.index_select(0, idx), n_blocks)
-        seq_len = torch.tensor([lens[i] for i in rows], device=q.device)
-        key_pos = torch.arange(n_blocks * bs, device=q.device)
-        q_pos = seq_len[:, None] - qlen + torch.arange(qlen, device=q.device)[None]  # [B, L]
-        mask = (key_pos[None, None] <= q_pos[:, :, None])
-        if sliding_window is not None:
-            mask &= key_pos[None, None] > q_pos[:, :, None] - sliding_window
-        q_rows = torch.cat([q[qs[i]:qs[i + 1]] for i in rows]).view(len(rows), qlen, *q.shape[1:])
-        res = _attend(q_rows, k, v, mask, scale)
-        if len(rows) == 1:
-            out[qs[rows[0]]:qs[rows[0] + 1]] = res[0]
-        else:
-            out[torch.tensor([qs[i] for i in rows], device=q.device)] = res[:, 0]
+        k, v = k_cache[g.blocks].flatten(1, 2), v_cache[g.blocks].flatten(1, 2)
+        q_rows = q.index_select(0, g.q_rows).view(g.batch, g.qlen, *q.shape[1:])
+        res = _attend(q_rows, k, v, g.mask, scale)
+        out.index_copy_(0, g.q_rows, res.reshape(-1, *res.shape[2:]))
     return out
 
 

@@ -51,7 +51,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
             lp = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0)
         choices.append(ChatChoice(index=comp.index, message=ChatMessageOut(content=comp.text), logprobs=lp,
                                   finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
-    usage = Usage.of(len(ids), sum(len(c.token_ids) for c in out.outputs))
+    usage = Usage.of(len(ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
     body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
     return JSONResponse(body.model_dump())
 
@@ -97,7 +97,8 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, streams, reque
             if choices:
                 yield chunk(choices)
         if req.include_usage and final is not None:
-            yield chunk([], Usage.of(num_prompt, sum(len(c.token_ids) for c in final.outputs)))
+            yield chunk([], Usage.of(num_prompt, sum(len(c.token_ids) for c in final.outputs),
+                                     final.num_cached_tokens))
     except Exception as exc:  # headers are out: report in-band, then end the stream cleanly
         yield error_event(exc)
     finally:

@@ -50,7 +50,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
                 lp = completion_logprobs(comp.token_ids, comp.logprobs, req.logprobs, 0)
             choices.append(CompletionChoice(index=i * req.n + comp.index, text=echoes[i] + comp.text, logprobs=lp,
                                             finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
-    usage = Usage.of(sum(len(ids) for ids in prompt_ids), completion_tokens)
+    usage = Usage.of(sum(len(ids) for ids in prompt_ids), completion_tokens,
+                     sum(out.num_cached_tokens for out in finals))
     body = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
     return JSONResponse(body.model_dump())
 
@@ -102,7 +103,8 @@ async def _stream(req: CompletionRequest, state: ServerState, streams, request_i
                                              choices=choices))
         if req.include_usage:
             usage = Usage.of(sum(len(ids) for ids in prompt_ids),
-                             sum(len(c.token_ids) for o in finals.values() for c in o.outputs))
+                             sum(len(c.token_ids) for o in finals.values() for c in o.outputs),
+                             sum(o.num_cached_tokens for o in finals.values()))
             yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[],
                                          usage=usage))
     except Exception as exc:  # headers are out: report in-band, then end the stream cleanly

@@ -30,8 +30,8 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r)
 
-        self.running = gauge("lamina:num_requests_running", "Sequences in the running batch.")
-        self.waiting = gauge("lamina:num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.running = gauge("lamina:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("lamina:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("lamina:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).")
         self.free_blocks = gauge("lamina:kv_cache_free_blocks", "KV blocks free in the pool.")
         self.total_blocks = gauge("lamina:kv_cache_total_blocks", "KV blocks in the pool.")
@@ -42,6 +42,9 @@ class ServerMetrics:
                                      "Hybrid models: prefix hits served by restoring a recurrent-state snapshot.",
                                      labels, registry=r)
         self._snapshot_hits_seen = 0  # the engine keeps a running total; the counter gets the increments
+        self.prefix_queries = Counter("lamina:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", labels, registry=r)
+        self._prefix_queries_seen = 0
         self.generation_tokens = Counter("lamina:generation_tokens", "Tokens generated.", labels, registry=r)
         self.request_success = Counter("lamina:request_success", "Requests finished, by finish reason.",
                                        labels + ["finished_reason"], registry=r)
@@ -62,7 +65,7 @@ class ServerMetrics:
 
         # Children exist from the start, so every series reads 0 before its first event (not absent).
         for metric in (self.running, self.waiting, self.kv_usage, self.free_blocks, self.total_blocks,
-                       self.prompt_tokens, self.prefix_hits, self.snapshot_hits, self.generation_tokens,
+                       self.prompt_tokens, self.prefix_hits, self.prefix_queries, self.snapshot_hits, self.generation_tokens,
                        self.step_failures, self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len):
             metric.labels(model_name)
         for reason in ("stop", "length", "error"):
@@ -83,6 +86,9 @@ class ServerMetrics:
         if stats.num_snapshot_hits > self._snapshot_hits_seen:
             self.snapshot_hits.labels(m).inc(stats.num_snapshot_hits - self._snapshot_hits_seen)
             self._snapshot_hits_seen = stats.num_snapshot_hits
+        if stats.num_prefix_queried_tokens > self._prefix_queries_seen:
+            self.prefix_queries.labels(m).inc(stats.num_prefix_queried_tokens - self._prefix_queries_seen)
+            self._prefix_queries_seen = stats.num_prefix_queried_tokens
         if it.num_generation_tokens:
             self.generation_tokens.labels(m).inc(it.num_generation_tokens)
         if it.step_failed:

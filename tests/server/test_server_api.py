@@ -168,6 +168,26 @@ def test_sampling_extras_and_seed(client):
     assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 8
 
 
+def test_prefix_cache_hits_are_counted(client, server):
+    """A repeated prompt is served from the prefix cache, and /metrics says so (used by the benchmarks to
+    show their figures are not cache hits)."""
+    prompt = "Once upon a time, " * 12  # ~60 tokens: three full 16-token blocks
+    m0 = wait_idle(server.base_url)
+    before = m0["lamina:prefix_cache_hits_total"]
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    mid = wait_idle(server.base_url)["lamina:prefix_cache_hits_total"]
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    m1 = wait_idle(server.base_url)
+    after = m1["lamina:prefix_cache_hits_total"]
+    assert m1["lamina:prefix_cache_queries_total"] - m0["lamina:prefix_cache_queries_total"] == \
+        first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert mid == before  # a prompt never seen before is not a hit
+    assert 32 <= after - mid < first.usage.prompt_tokens
+    assert second.choices[0].text == first.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == after - mid
+
+
 def test_tokenize_detokenize(server):
     ids = _tokens(server, "Hello world")
     r = httpx.post(server.base_url + "/detokenize", json={"tokens": ids})
