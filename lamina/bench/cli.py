@@ -33,6 +33,8 @@ def add_bench_parser(sub) -> None:
                          "CPU generate)")
     tp.add_argument("--hf-attn", default="sdpa", help="HF attn_implementation (sdpa, eager, paged|sdpa, ...)")
     tp.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch size (default: all)")
+    tp.add_argument("--temperature", type=float, default=0.0,
+                    help="lamina's sampling temperature (default 0: greedy, like the HF baseline)")
     tp.add_argument("--result-file", default=None)
     tp.set_defaults(func=cmd_throughput)
 
@@ -88,7 +90,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     result = {"command": "throughput", "model": args.model, "hardware": _hardware(eng.device),
               "dtype": str(eng.dtype), "num_prompts": args.num_prompts, "input_len": args.input_len,
               "output_len": args.output_len, "prompt_tokens": wl.num_prompt_tokens,
-              "lamina": run_throughput(llm, wl)}
+              "temperature": args.temperature, "lamina": run_throughput(llm, wl, args.temperature)}
     device, dtype = eng.device, eng.dtype
     del llm, eng
     if args.baseline == "hf":

@@ -14,8 +14,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_throughput(llm, wl: Workload) -> dict[str, float]:
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True)
+def run_throughput(llm, wl: Workload, temperature: float = 0.0) -> dict[str, float]:
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
               for n in wl.output_lens]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
