@@ -1,6 +1,7 @@
 """Tiny random HF checkpoints (made with save_pretrained) and HF transformers as the logprob oracle."""
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -41,3 +42,14 @@ def hf_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0]
     return logits.float().log_softmax(-1)
+
+
+def shared_prefix_prompts(n_groups: int, per_group: int = 4, prefix_len: int = 22, seed: int = 0) -> list[dict]:
+    """Groups of token-id prompts sharing a prefix (22 tokens by default: it ends inside a 4-token block)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_groups):
+        prefix = [rng.randrange(100, 40000) for _ in range(prefix_len)]
+        out += [{"prompt_token_ids": prefix + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 9))]}
+                for _ in range(per_group)]
+    return out

@@ -36,14 +36,7 @@ def all_free(llm: LLM) -> bool:
         and not eng.scheduler.waiting and not eng.groups
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning makes each
-    # small op ~10x slower (measured: 6.2 s -> 0.8 s for the batch-invariance run).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

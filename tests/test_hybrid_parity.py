@@ -16,14 +16,7 @@ from lamina import LLM, SamplingParams
 PROMPT = [(i * 7919) % 40000 + 100 for i in range(150)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning makes each
-    # small op ~10x slower (measured: 6.2 s -> 0.8 s for the batch-invariance run).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,18 @@
 it, hits land where snapshots are, and every block, slot and snapshot row is accounted for at the end."""
 from __future__ import annotations
 
-import random
 
 import pytest
-import torch
 
 from hybrid_helpers import FAMILIES, make_hybrid_checkpoint
 from lamina import LLM, SamplingParams
+from model_factory import shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BS, INTERVAL = 4, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # As in test_hybrid_engine.py: tiny models on a busy 2-core box run ~10x faster single-threaded.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
@@ -48,16 +41,6 @@ def all_free(llm: LLM) -> bool:
     return eng.allocator.num_free == eng.allocator.num_blocks and eng.state_pool.num_free == eng.state_pool.num_slots \
         and not eng.scheduler.running and not eng.scheduler.waiting and not eng.groups \
         and (snaps is None or snaps.num_used + snaps.num_free == snaps.num_snapshots)
-
-
-def shared_prefix_prompts(n_groups: int = 2, per_group: int = 4, prefix_len: int = 22, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n_groups):
-        prefix = [rng.randrange(100, 40000) for _ in range(prefix_len)]  # 22: ends inside a 4-token block
-        out += [{"prompt_token_ids": prefix + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 9))]}
-                for _ in range(per_group)]
-    return out
 
 
 def test_repeated_prompt_hits_at_last_snapshot(ckpt):
@@ -103,7 +86,7 @@ def test_multi_turn_conversation(ckpt):
 
 
 def test_concurrent_shared_prefixes_with_chunked_prefill(ckpt):
-    prompts = shared_prefix_prompts()
+    prompts = shared_prefix_prompts(2)
     off = tokens(make(ckpt, False, max_num_batched_tokens=16).generate(prompts, GREEDY, use_tqdm=False))
     llm = make(ckpt, True, max_num_batched_tokens=16)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == off  # hits within the batch, if any

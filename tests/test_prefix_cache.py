@@ -1,11 +1,11 @@
 """Prefix caching (dense models): outputs with the cache equal outputs without it; hits counted; all freed."""
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from lamina import LLM, SamplingParams
+from model_factory import shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -14,16 +14,6 @@ def make(path, cache: bool, **kw) -> LLM:
     kw = {"dtype": "float32", "device": "cpu", "block_size": 4, "num_kv_blocks": 256, "progress": False,
           "enable_prefix_caching": cache, **kw}
     return LLM(model=str(path), **kw)
-
-
-def shared_prefix_prompts(n_groups=3, per_group=4, prefix_len=22, seed=0):
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n_groups):
-        prefix = [rng.randrange(100, 40000) for _ in range(prefix_len)]  # 22: ends inside a 4-token block
-        out += [{"prompt_token_ids": prefix + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 9))]}
-                for _ in range(per_group)]
-    return out
 
 
 def tokens(outs):
@@ -37,7 +27,7 @@ def all_free(llm):
 
 @pytest.mark.parametrize("family, overlap", [("llama", False), ("llama", True), ("mistral", True)])
 def test_shared_prefixes_concurrent_and_sequential(checkpoints, family, overlap):
-    prompts = shared_prefix_prompts()
+    prompts = shared_prefix_prompts(3)
     off = tokens(make(checkpoints[family], False).generate(prompts, GREEDY, use_tqdm=False))
     llm = make(checkpoints[family], True, async_scheduling=overlap)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == off  # concurrent: hits within the batch

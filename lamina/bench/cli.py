@@ -98,13 +98,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         mode = args.hf_mode or ("generate_batch" if device.type == "cuda" else "generate")
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
         if mode == "generate":
-            elapsed = hf_baseline.hf_generate_padded(model, wl, args.hf_batch_size or args.num_prompts, device)
+            elapsed, out_tokens = hf_baseline.hf_generate_padded(model, wl, args.hf_batch_size or args.num_prompts,
+                                                                 device)
         else:
-            elapsed = hf_baseline.hf_generate_batch(model, wl, device)
-        out_tokens = sum(wl.output_lens) if mode == "generate_batch" else sum(
-            max(wl.output_lens[i:i + (args.hf_batch_size or args.num_prompts)]) * len(
-                wl.output_lens[i:i + (args.hf_batch_size or args.num_prompts)])
-            for i in range(0, args.num_prompts, args.hf_batch_size or args.num_prompts))
+            elapsed, out_tokens = hf_baseline.hf_generate_batch(model, wl, device), sum(wl.output_lens)
         useful = sum(wl.output_lens)  # padded batches may generate more; only requested tokens count
         result["hf"] = {"mode": mode, "attn": args.hf_attn, "elapsed_s": elapsed, "generated_tokens": out_tokens,
                         "output_tok_s": useful / elapsed, "total_tok_s": (useful + wl.num_prompt_tokens) / elapsed}

@@ -41,12 +41,15 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def hf_generate_padded(model, wl: Workload, batch_size: int, device: torch.device) -> float:
-    """Static batches with left padding (plain `generate`); returns elapsed seconds."""
+def hf_generate_padded(model, wl: Workload, batch_size: int, device: torch.device) -> tuple[float, int]:
+    """Static batches with left padding (plain `generate`); returns (elapsed seconds, tokens generated: every
+    row of a batch runs to the batch's longest output)."""
+    generated = 0
     start = time.perf_counter()
     for i in range(0, len(wl.prompts), batch_size):
         chunk = wl.prompts[i:i + batch_size]
         n_out = max(wl.output_lens[i:i + batch_size])
+        generated += n_out * len(chunk)
         width = max(len(p) for p in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -56,7 +59,7 @@ def hf_generate_padded(model, wl: Workload, batch_size: int, device: torch.devic
         model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_out,
                        min_new_tokens=n_out, do_sample=False, pad_token_id=0)
     _sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, generated
 
 
 def hf_generate_batch(model, wl: Workload, device: torch.device, max_batch_tokens: int | None = None) -> float:

@@ -10,7 +10,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
 
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.kv_cache import KVCache
@@ -21,7 +20,7 @@ from lamina.config import EngineConfig
 from lamina.engine.detokenizer import Detokenizer, initial_state
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
 from lamina.engine.memory import plan_kv_blocks, resolve_device, resolve_dtype
-from lamina.engine.request import RequestGroup, Sequence, SeqStatus
+from lamina.engine.request import RequestGroup, Sequence
 from lamina.engine.runner import ModelRunner
 from lamina.engine.sampler import Sampler, needs_history
 from lamina.engine.inflight import PENDING, InFlight
@@ -259,13 +258,12 @@ class LLMEngine:
             # device runs steps in order. Tokens still in flight are never hashed.
             self.scheduler.register_computed(seq, seq.num_tokens - (seq.token_ids[-1] == PENDING))
             self.scheduler.snapshot(seq)  # stream-ordered after this forward (see cache/state_snapshots.py)
-        positions = []
+        slots = [(seq, seq.num_tokens) for seq in sampled]  # where each sampled token will land
         for seq in sampled:
-            positions.append(seq.num_tokens)
             seq.token_ids.append(PENDING)
         # Rows whose next sampling reads their history need their token on the host before that.
         sync = not self.async_scheduling or any(needs_history(s) for s in sampled)
-        return InFlight(sched.scheduled, list(zip(sampled, positions)), draws, sync, draws.start_copy() if draws
+        return InFlight(sched.scheduled, slots, draws, sync, draws.start_copy() if draws
                         else None)
 
     def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup]) -> None:

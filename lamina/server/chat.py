@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,7 +15,7 @@ from lamina.server.errors import bad_request
 from lamina.server.protocol import ChatCompletionRequest
 from lamina.server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessageOut,
                                      ChatStreamChoice, Delta, Usage, chat_logprobs)
-from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, ServerState, abort_unfinished,
+from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Sent, ServerState, abort_unfinished,
                                    collect, error_event, merge, sse, start_requests)
 
 
@@ -56,14 +55,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     return JSONResponse(body.model_dump())
 
 
-@dataclass
-class _Sent:
-    text: int = 0
-    tokens: int = 0
-    done: bool = False
-
-
-def _delta(req: ChatCompletionRequest, comp: CompletionOutput, sent: _Sent) -> ChatStreamChoice | None:
+def _delta(req: ChatCompletionRequest, comp: CompletionOutput, sent: Sent) -> ChatStreamChoice | None:
     n_tok = len(comp.token_ids)
     text = comp.text[sent.text:]
     lp = None
@@ -85,7 +77,7 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, streams, reque
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
                                        usage=usage))
 
-    sent = {i: _Sent() for i in range(req.n)}
+    sent = {i: Sent() for i in range(req.n)}
     final = None
     try:
         # OpenAI opens every choice with the role before any content.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,7 +15,7 @@ from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.server.errors import bad_request
 from lamina.server.protocol import CompletionRequest
 from lamina.server.responses import CompletionChoice, CompletionResponse, Usage, completion_logprobs
-from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, ServerState, abort_unfinished,
+from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Sent, ServerState, abort_unfinished,
                                    collect, error_event, merge, sse, start_requests)
 
 
@@ -56,15 +55,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     return JSONResponse(body.model_dump())
 
 
-@dataclass
-class _Sent:
-    """What one choice has streamed so far."""
-    text: int = 0
-    tokens: int = 0
-    done: bool = False
-
-
-def _delta(req: CompletionRequest, index: int, comp: CompletionOutput, sent: _Sent, prefix: str
+def _delta(req: CompletionRequest, index: int, comp: CompletionOutput, sent: Sent, prefix: str
            ) -> CompletionChoice | None:
     n_tok = len(comp.token_ids)
     text = prefix + comp.text[sent.text:]
@@ -83,7 +74,7 @@ def _delta(req: CompletionRequest, index: int, comp: CompletionOutput, sent: _Se
 async def _stream(req: CompletionRequest, state: ServerState, streams, request_id: str,
                   prompt_ids: list[list[int]], echoes: list[str]):
     created = int(time.time())
-    sent: dict[int, _Sent] = {}
+    sent: dict[int, Sent] = {}
     finals: dict[int, RequestOutput] = {}
     try:
         async for i, out in merge(streams):
@@ -92,7 +83,7 @@ async def _stream(req: CompletionRequest, state: ServerState, streams, request_i
             for comp in out.outputs:
                 index = i * req.n + comp.index
                 first = index not in sent
-                s = sent.setdefault(index, _Sent())
+                s = sent.setdefault(index, Sent())
                 if s.done:
                     continue
                 choice = _delta(req, index, comp, s, echoes[i] if first else "")

@@ -111,6 +111,15 @@ async def _wait_disconnect(raw: Request) -> None:
             return
 
 
+@dataclass
+class Sent:
+    """What one streamed choice has sent so far (outputs are cumulative; each chunk carries the rest)."""
+
+    text: int = 0
+    tokens: int = 0
+    done: bool = False
+
+
 class ClientDisconnected(Exception):
     pass
 

@@ -13,7 +13,7 @@ import torch
 
 from lamina.kernels.activation import silu_and_mul_ref
 from lamina.kernels.attention import AttentionMetadata, paged_attention_ref, store_kv_ref
-from lamina.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from lamina.kernels.norm import rms_norm_ref
 from lamina.kernels.rope import apply_rope_ref, rope_cos_sin_cache, rope_inv_freq
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
