@@ -70,6 +70,7 @@ def test_repeated_prompt_hits_at_last_snapshot(ckpt):
 def test_multi_turn_conversation(ckpt):
     on, off = make(ckpt, True), make(ckpt, False)
     history_on = history_off = list(range(7, 20))
+    prev_len = 0  # length of the previous turn's prompt
     for turn in range(4):
         a = on.generate({"prompt_token_ids": history_on}, GREEDY, use_tqdm=False)[0]
         b = off.generate({"prompt_token_ids": history_off}, GREEDY, use_tqdm=False)[0]
