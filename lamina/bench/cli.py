@@ -50,9 +50,11 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--result-file", default=None)
     lat.set_defaults(func=cmd_latency)
 
+    from lamina.bench.kernels import add_kernel_bench_parser
     from lamina.bench.prefix import add_prefix_bench_parser
 
     add_prefix_bench_parser(bsub)
+    add_kernel_bench_parser(bsub)
     try:
         from lamina.bench.serve import add_serve_bench_parser
     except ImportError:  # the serving client lands with the server
@@ -110,18 +112,22 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def prefill_flops(cfg, n: int) -> float:
-    """Matmul FLOPs of a causal prefill of n tokens: 2 * params per token, plus attention's QK^T and PV."""
-    d, hq, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = d * (hq + 2 * hkv) * hd + hq * hd * d + 3 * d * cfg.intermediate_size
-    linear = 2 * n * (cfg.num_layers * per_layer + d * cfg.vocab_size / n)  # lm_head on the last row only
-    attention = cfg.num_layers * 2 * 2 * hq * hd * n * (n + 1) / 2
+def prefill_flops(model: torch.nn.Module, cfg, n: int) -> float:
+    """Matmul FLOPs of a causal prefill of n tokens: 2 * active params per token (lm_head on the last row
+    only), plus the attention layers' QK^T and PV. The recurrent layers' own core is left out (small)."""
+    from lamina.bench.offline import active_params_per_token
+    from lamina.models.config import KV_MIXERS
+
+    lm_head = cfg.hidden_size * cfg.vocab_size
+    linear = 2 * (n * (active_params_per_token(model) - lm_head) + lm_head)
+    n_attn = sum(1 for spec in cfg.layers if spec.mixer in KV_MIXERS)
+    attention = n_attn * 2 * 2 * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
     return linear + attention
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
     from lamina.bench import hf_baseline
-    from lamina.bench.offline import copy_bandwidth, run_latency, weight_bytes_per_token
+    from lamina.bench.offline import copy_bandwidth, run_latency, state_bytes_per_token, weight_bytes_per_token
     from lamina.bench.workload import make_workload
     from lamina.cli import engine_kwargs
     from lamina.llm import LLM
@@ -130,15 +136,18 @@ def cmd_latency(args: argparse.Namespace) -> int:
     eng = llm.engine
     prompt = make_workload(1, (args.input_len,) * 2, (args.output_len,) * 2, eng.model_config.vocab_size).prompts[0]
     lat = run_latency(llm, prompt, args.output_len, args.repeats)
+    # The roofline counts what one decode step must move: active weights plus the sequence's state/KV (at
+    # the mean context of the decode phase).
     wbytes = weight_bytes_per_token(eng.model)
+    sbytes = state_bytes_per_token(eng.model, args.input_len + args.output_len // 2)
     bw = copy_bandwidth(eng.device)
-    achieved = wbytes * lat["decode_tok_s"]
+    achieved = (wbytes + sbytes) * lat["decode_tok_s"]
     result = {"command": "latency", "model": args.model, "hardware": _hardware(eng.device), "dtype": str(eng.dtype),
               "input_len": args.input_len, "output_len": args.output_len, "lamina": lat,
-              "weight_bytes_per_token": wbytes, "measured_copy_bandwidth_GBs": bw / 1e9,
-              "achieved_weight_bandwidth_GBs": achieved / 1e9, "fraction_of_roofline": achieved / bw,
-              "roofline_tok_s": bw / wbytes}
-    flops = prefill_flops(eng.model_config, args.input_len)
+              "weight_bytes_per_token": wbytes, "state_bytes_per_token": sbytes,
+              "measured_copy_bandwidth_GBs": bw / 1e9, "achieved_bandwidth_GBs": achieved / 1e9,
+              "fraction_of_roofline": achieved / bw, "roofline_tok_s": bw / (wbytes + sbytes)}
+    flops = prefill_flops(eng.model, eng.model_config, args.input_len)
     result["prefill_tflops"] = flops / lat["ttft_s"] / 1e12
     result["prefill_mfu"] = result["prefill_tflops"] / args.peak_tflops
     device, dtype = eng.device, eng.dtype

@@ -32,7 +32,8 @@ def load_hf(model: str, dtype: torch.dtype, device: torch.device, attn: str):
 
 def _model_type(arch: str) -> str:
     return {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "MistralForCausalLM": "mistral"}[arch]
+            "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
+            "Qwen3NextForCausalLM": "qwen3_next"}[arch]
 
 
 def _sync(device: torch.device) -> None:

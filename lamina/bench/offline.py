@@ -57,13 +57,46 @@ def run_latency(llm, prompt: list[int], output_len: int, repeats: int = 3) -> di
     return {"ttft_s": ttfts[len(ttfts) // 2], "decode_tok_s": decode_rates[len(decode_rates) // 2]}
 
 
+def _expert_params(model: torch.nn.Module) -> dict[int, float]:
+    """id(param) -> the fraction of it one token reads: top_k / num_experts for stacked expert weights."""
+    from lamina.models.layers.moe import SparseMoE
+
+    frac: dict[int, float] = {}
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            for p in m.experts.parameters():
+                frac[id(p)] = m.top_k / m.experts.num_experts
+    return frac
+
+
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter but the embedding table (one row is read)."""
+    """Bytes of weights one decode step of one sequence reads: every parameter but the embedding table (one
+    row is read), and of stacked MoE experts only the top_k a token is routed to."""
     embed = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    frac = _expert_params(model)
+    total = sum(p.numel() * p.element_size() * frac.get(id(p), 1.0) for p in model.parameters() if p is not embed)
     if model.lm_head.weight is embed:  # tied: the table is read whole by lm_head
         total += embed.numel() * embed.element_size()
-    return total
+    return int(total)
+
+
+def state_bytes_per_token(model: torch.nn.Module, context_len: int) -> int:
+    """Bytes of per-sequence state one decode step reads or writes: the recurrent and conv states of the
+    state layers (read and written back), and the KV cache of the attention layers at context_len."""
+    from lamina.cache.kv_cache import KVCache
+    from lamina.cache.state_pool import StatePool
+
+    state = 2 * StatePool.bytes_per_slot(model, next(model.parameters()).dtype)
+    kv = KVCache.bytes_per_block(model, 1, next(model.parameters()).dtype) * context_len
+    return state + kv
+
+
+def active_params_per_token(model: torch.nn.Module) -> float:
+    """Parameters one token multiplies by (all but the embedding table, top_k of the experts)."""
+    embed = model.model.embed_tokens.weight
+    frac = _expert_params(model)
+    n = sum(p.numel() * frac.get(id(p), 1.0) for p in model.parameters() if p is not embed)
+    return n + (embed.numel() if model.lm_head.weight is embed else 0)
 
 
 def copy_bandwidth(device: torch.device) -> float:

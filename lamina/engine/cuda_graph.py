@@ -2,7 +2,8 @@
 
 A decode step of a small model is hundreds of short kernel launches; replaying a captured graph removes
 the launch overhead. The graph reads its inputs from static buffers (stable addresses), so each step only
-copies the batch into them. Padded rows write no KV (slot -1) and attend to one token of block 0.
+copies the batch into them. Padded rows write no KV (slot -1) and attend to one token of block 0; in hybrid
+models they point at the state pool's padding slot, which no sequence leases, and may scribble there.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, padding_slot: int | None = None) -> None:
         self.model, self.device = model, device
+        self.padding_slot = padding_slot  # set when the model keeps per-sequence state in a StatePool
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_bs = self.sizes[-1]
         self.max_blocks = (max_model_len + block_size - 1) // block_size
@@ -38,14 +40,22 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, **kw)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, **kw)
         self.logits_indices = torch.arange(n, dtype=torch.long, **kw)
+        self.state_slots = self.has_initial_state = None
+        if padding_slot is not None:
+            self.state_slots = torch.full((n,), padding_slot, dtype=torch.long, **kw)
+            self.has_initial_state = torch.ones(n, dtype=torch.bool, **kw)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         # Host-side fields describe the worst case: kernels size their grids from them, never from data.
-        return AttentionMetadata(self.slot_mapping[:bs], self.query_start[:bs + 1], self.seq_lens[:bs],
+        meta = AttentionMetadata(self.slot_mapping[:bs], self.query_start[:bs + 1], self.seq_lens[:bs],
                                  self.block_tables[:bs], list(range(bs + 1)), [self.max_model_len] * bs,
                                  1, self.max_model_len)
+        if self.state_slots is not None:
+            meta.state_slots, meta.has_initial_state = self.state_slots[:bs], self.has_initial_state[:bs]
+            meta.state_slots_cpu = [self.padding_slot] * bs
+        return meta
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.logits_indices[:bs])
@@ -72,7 +82,8 @@ class CudaGraphRunner:
         meta = batch.attn
         n = meta.num_seqs
         return (meta.is_decode_only and n <= self.max_bs and batch.logits_indices.shape[0] == n
-                and meta.block_tables.shape[1] <= self.max_blocks)
+                and meta.block_tables.shape[1] <= self.max_blocks
+                and (meta.state_slots is None) == (self.state_slots is None))
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -86,5 +97,9 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[n:bs].fill_(1)
         self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(meta.state_slots, non_blocking=True)
+            self.state_slots[n:bs].fill_(self.padding_slot)
+            self.has_initial_state[:n].copy_(meta.has_initial_state, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -15,6 +15,7 @@ from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.kv_cache import KVCache
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.state_pool import StatePool
+from lamina.kernels.dispatch import triton_available
 from lamina.cache.state_snapshots import StateSnapshots
 from lamina.config import EngineConfig
 from lamina.engine.detokenizer import Detokenizer, initial_state
@@ -91,11 +92,14 @@ class LLMEngine:
                                    self.state_pool.allocator if self.state_pool is not None else None,
                                    self.prefix_cache)
         self.runner = ModelRunner(self.model, bs, self.device)
-        # Decode graphs do not yet carry state-pool slots (the reference GDN kernels loop on the host).
-        if self.device.type == "cuda" and not config.enforce_eager and self.state_pool is None:
+        # Decode graphs need kernels that read everything from the device: the Triton ones (the torch
+        # references of the state layers build index tensors from host lists).
+        if self.device.type == "cuda" and not config.enforce_eager and (self.state_pool is None or triton_available()):
             from lamina.engine.cuda_graph import CudaGraphRunner
 
-            self.runner.graphs = CudaGraphRunner(self.model, config.max_num_seqs, self.max_model_len, bs, self.device)
+            pad = self.state_pool.padding_slot if self.state_pool is not None else None
+            self.runner.graphs = CudaGraphRunner(self.model, config.max_num_seqs, self.max_model_len, bs, self.device,
+                                                 pad)
             self.runner.graphs.capture()
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)

@@ -68,16 +68,17 @@ def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         conv_states: torch.Tensor | None, query_start: list[int], state_slots: list[int] | None,
-                         has_initial_state: list[bool], activation: str | None = "silu") -> torch.Tensor:
-    """Dispatch: a GPU kernel (same signature; device tensors may be added for it) once one exists."""
+                         conv_states: torch.Tensor | None, meta, activation: str | None = "silu") -> torch.Tensor:
+    """The layer's conv over one step's flat batch (meta: the step's AttentionMetadata). The GPU kernel reads
+    only meta's device tensors (graph-safe); the reference its host lists. No slots in meta: zero state."""
+    if meta.state_slots is None:
+        conv_states = None
     if use_triton(x):
-        try:
-            from lamina.kernels.triton_conv1d import causal_conv1d_varlen_triton  # type: ignore[import-not-found]
-        except ImportError:
-            pass
-        else:
-            return causal_conv1d_varlen_triton(x, weight, bias, conv_states, query_start, state_slots,
-                                               has_initial_state, activation)
-    return causal_conv1d_varlen_ref(x, weight, bias, conv_states, query_start, state_slots, has_initial_state,
-                                    activation)
+        from lamina.kernels.triton_conv1d import causal_conv1d_varlen_triton
+
+        return causal_conv1d_varlen_triton(x, weight, bias, conv_states, meta.query_start, meta.state_slots,
+                                           meta.has_initial_state, meta.max_query_len, activation)
+    from lamina.kernels.gated_delta import host_has_initial_state
+
+    return causal_conv1d_varlen_ref(x, weight, bias, conv_states, meta.query_start_cpu, meta.state_slots_cpu,
+                                    host_has_initial_state(meta), activation)

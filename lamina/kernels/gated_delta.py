@@ -130,18 +130,34 @@ def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out
 
 
-def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                            beta: torch.Tensor, ssm_states: torch.Tensor | None, query_start: list[int],
-                            state_slots: list[int] | None, has_initial_state: list[bool],
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (log decay g, rate beta) from the layer's raw projections a, b: [T, Hv].
+
+    g in fp32: in fp16/bf16 exp(A_log) * softplus could round the decay to exactly 0 or overflow."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def host_has_initial_state(meta) -> list[bool]:
+    """num_computed_tokens = context length - this step's tokens: > 0 means the slot holds live state."""
+    qs = meta.query_start_cpu
+    return [meta.seq_lens_cpu[i] - (qs[i + 1] - qs[i]) > 0 for i in range(meta.num_seqs)]
+
+
+def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                            A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor | None, meta,
                             use_qk_l2norm: bool = True) -> torch.Tensor:
-    """Dispatch: a GPU kernel (same signature; device tensors may be added for it) once one exists."""
+    """The layer's gated delta rule over one step's flat batch (meta: the step's AttentionMetadata).
+
+    The GPU path reads only device tensors of meta (state_slots, has_initial_state, query_start), so a
+    decode step can be captured in a CUDA graph; the reference loops over meta's host lists. No slots in
+    meta (a profiling pass): zero state, nothing written."""
+    if meta.state_slots is None:
+        ssm_states = None
     if use_triton(q):
-        try:
-            from lamina.kernels.triton_gated_delta import gated_delta_rule_varlen_triton  # type: ignore
-        except ImportError:
-            pass
-        else:
-            return gated_delta_rule_varlen_triton(q, k, v, g, beta, ssm_states, query_start, state_slots,
-                                                  has_initial_state, use_qk_l2norm)
-    return gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_states, query_start, state_slots, has_initial_state,
-                                       use_qk_l2norm)
+        from lamina.kernels.triton_gated_delta import gated_delta_rule_varlen_triton
+
+        return gated_delta_rule_varlen_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, meta, use_qk_l2norm)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_states, meta.query_start_cpu, meta.state_slots_cpu,
+                                       host_has_initial_state(meta), use_qk_l2norm)

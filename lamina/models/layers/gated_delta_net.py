@@ -11,7 +11,6 @@ are reordered at load time (families/qwen3_next.py), so the forward is one matmu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lamina.kernels.attention import AttentionMetadata
@@ -66,19 +65,13 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
                                              dim=-1)
-        qs = meta.query_start_cpu
-        slots = meta.state_slots_cpu  # None: no pool bound (profiling) -> zero state, nothing kept
-        # num_computed_tokens = context length - this step's tokens: > 0 means the slot holds live state.
-        has_init = [meta.seq_lens_cpu[i] - (qs[i + 1] - qs[i]) > 0 for i in range(meta.num_seqs)]
-        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_state, qs,
-                                   slots, has_init, "silu")
+        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_state, meta,
+                                   "silu")
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        # fp32: in fp16/bf16 exp(A_log) * softplus could round the decay to exactly 0 or overflow.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state, qs, slots, has_init)
+        # The decay and rate gates are computed inside the GPU kernels (fused) or by gdn_gates on the CPU.
+        core = gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, meta)
         core = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(t, self.value_dim))

@@ -1,0 +1,22 @@
+"""GPU gated delta rule for one step: the fused recurrent kernel when every sequence brings one token (decode,
+the CUDA-graphed case), else the chunked kernels over the whole flat batch (prefill, chunked prefill, and
+mixed batches, whose one-token rows are simply one-token sequences there)."""
+from __future__ import annotations
+
+import torch
+
+from lamina.kernels.gated_delta import gdn_gates
+from lamina.kernels.triton_gdn_chunk import chunk_gated_delta_varlen_triton
+from lamina.kernels.triton_gdn_decode import gated_delta_decode_triton
+
+
+def gated_delta_rule_varlen_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                                   b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                   ssm_states: torch.Tensor | None, meta, use_qk_l2norm: bool = True) -> torch.Tensor:
+    slots = meta.state_slots if ssm_states is not None else None
+    if meta.max_query_len == 1:
+        return gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, slots, meta.has_initial_state,
+                                         use_qk_l2norm)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return chunk_gated_delta_varlen_triton(q, k, v, g, beta, ssm_states, meta.query_start, meta.query_start_cpu,
+                                           slots, meta.has_initial_state, use_qk_l2norm)
