@@ -17,11 +17,8 @@ def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_triton(x):
-        try:
-            from lamina.kernels.triton_norm import rms_norm_gated_triton  # type: ignore[attr-defined]
-        except ImportError:
-            pass
-        else:
-            return rms_norm_gated_triton(x, gate, weight, eps)
+    if use_triton(x) and x.dim() == 3:
+        from lamina.kernels.triton_norm import rms_norm_gated_triton
+
+        return rms_norm_gated_triton(x, gate, weight, eps)
     return rms_norm_gated_ref(x, gate, weight, eps)

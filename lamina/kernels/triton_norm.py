@@ -79,3 +79,40 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: t
     assert out.is_contiguous() and sum_out.is_contiguous()
     _launch(x2, r2, weight, out.view(-1, shape[-1]), sum_out.view(-1, shape[-1]), eps, offset, True)
     return out, sum_out
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, n_heads, n_cols, stride_xt, stride_xh,
+                           stride_gt, stride_gh, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    tok, head = rows // n_heads, rows % n_heads
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + (tok * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    g = tl.load(g_ptr + (tok * stride_gt + head * stride_gh)[:, None] + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
+    # Rounded where the reference rounds: normalized x to x's dtype, times the weight in that dtype.
+    y = ((xf * rstd[:, None]).to(x.dtype) * w[None, :].to(x.dtype)).to(tl.float32)
+    out = y * (g * tl.sigmoid(g))
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight * silu(gate) per head. x, gate: [T, H, D] (any token and head strides, unit
+    column stride: the gate is a view into the layer's projection output) -> a new contiguous [T, H, D]."""
+    assert x.dim() == 3 and gate.shape == x.shape and x.stride(-1) == 1 and gate.stride(-1) == 1
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    n_rows = t * h
+    if n_rows == 0:
+        return out
+    block_n = triton.next_power_of_2(d)
+    rows = max(1, min(64, 2048 // block_n))
+    _rms_norm_gated_kernel[(triton.cdiv(n_rows, rows),)](
+        x, gate, weight, out, n_rows, h, d, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), float(eps),
+        BLOCK_N=block_n, ROWS=rows, num_warps=4)
+    return out

@@ -234,3 +234,20 @@ def test_silu_and_mul(shape, dtype):
     out = silu_and_mul_triton(x)
     assert out.shape == (*shape[:-1], shape[-1] // 2)
     assert rel_err(out, silu_and_mul_ref(x.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_gated_on_strided_gate(dtype):
+    from lamina.kernels.norm_gated import rms_norm_gated_ref
+    from lamina.kernels.triton_norm import rms_norm_gated_triton
+
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("interpreter bf16 casts truncate")
+    gen = torch.Generator().manual_seed(3)
+    t, h, d = 5, 4, 128
+    x = torch.randn(t, h, d, generator=gen).to(dtype).to(DEV)
+    proj = torch.randn(t, h * d + 40, generator=gen).to(dtype).to(DEV)  # the gate is a view into a projection
+    gate = proj[:, 8:8 + h * d].view(t, h, d)
+    w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype).to(DEV)
+    out = rms_norm_gated_triton(x, gate, w, 1e-6)
+    assert rel_err(out, rms_norm_gated_ref(x, gate, w, 1e-6)) < TOL[dtype]
