@@ -22,6 +22,10 @@ class PrefixCache:
         self.snapshots = snapshots  # hybrid models: recurrent-state snapshots keyed by the same chain hashes
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # Block hash -> running sequences that will compute that block. A new request whose next uncached
+        # block is being computed right now waits for it instead of computing the same prefix again (a
+        # burst of requests sharing a system prompt would otherwise all prefill it at once).
+        self.computing: dict[int, int] = {}
 
     def _hashes(self, seq: Sequence, n_blocks: int) -> list[int]:
         bs = self.block_size
@@ -56,6 +60,39 @@ class PrefixCache:
         for b in found:
             self.allocator.share(b)
         return found, snap
+
+    def waits(self, seq: Sequence) -> bool:
+        """Whether the first block of `seq` that is not cached yet is being computed by a running sequence.
+        Rescans from where the last call stopped, so a request that waits for many steps costs O(1) each."""
+        if not self.computing:
+            return False
+        usable = (seq.num_tokens - 1) // self.block_size
+        hashes = self._hashes(seq, usable)
+        d = seq.wait_depth
+        while d < usable and self.allocator.lookup(hashes[d]) is not None:
+            d += 1
+        seq.wait_depth = d
+        return d < usable and self.computing.get(hashes[d], 0) > 0
+
+    def claim(self, seq: Sequence) -> None:
+        """An admitted sequence announces the full blocks it will compute (past its cached prefix)."""
+        full = seq.num_tokens // self.block_size
+        seq.claim_start = len(seq.block_table)
+        seq.claimed = self._hashes(seq, full)[seq.claim_start:]
+        for h in seq.claimed:
+            self.computing[h] = self.computing.get(h, 0) + 1
+
+    def unclaim(self, seq: Sequence, upto: int | None = None) -> None:
+        """Drops the sequence's claims on blocks before index `upto` (all of them when None)."""
+        n = len(seq.claimed) if upto is None else max(0, min(len(seq.claimed), upto - seq.claim_start))
+        for h in seq.claimed[:n]:
+            left = self.computing[h] - 1
+            if left:
+                self.computing[h] = left
+            else:
+                del self.computing[h]
+        seq.claimed = seq.claimed[n:]
+        seq.claim_start += n
 
     def restore(self, snap: int | None, slot: int | None) -> None:
         """Copies the matched snapshot into the sequence's freshly leased state slot."""
@@ -98,3 +135,5 @@ class PrefixCache:
         for i in range(seq.num_registered_blocks, full):
             self.allocator.register(seq.block_table[i], hashes[i])
         seq.num_registered_blocks = full
+        if seq.claimed:
+            self.unclaim(seq, full)

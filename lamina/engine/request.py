@@ -39,6 +39,11 @@ class Sequence:
     state_slot: int | None = None  # state-pool slot (hybrid models), leased while admitted
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of full blocks
     num_registered_blocks: int = 0  # blocks of block_table already offered to the prefix cache
+    # Prefix-cache blocks this running sequence is about to compute (chain hashes from block claim_start on),
+    # and, while waiting, the block another sequence is computing for it (see PrefixCache.waits).
+    claimed: list[int] = field(default_factory=list)
+    claim_start: int = 0
+    wait_depth: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -73,6 +73,8 @@ class Scheduler:
         self.allocator.free(seq.block_table[::-1])  # tail first: evicted before the shared head
         seq.block_table = []
         seq.num_registered_blocks = 0
+        if seq.claimed:
+            self.prefix_cache.unclaim(seq)
         if seq.state_slot is not None:
             self.state_slots.free(seq.state_slot)
             seq.state_slot = None
@@ -98,11 +100,16 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
                 budget -= n
                 i += 1
-        # New sequences only when nothing was preempted this step (avoids thrashing the pool).
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # New sequences only when nothing was preempted this step (avoids thrashing the pool). A request whose
+        # prefix another running sequence is computing right now is passed over until that block is cached.
+        w = 0
+        while w < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[w]
             if self.state_slots is not None and self.state_slots.num_free == 0:
                 break  # no more sequences than state slots (checked before blocks are taken)
+            if self.prefix_cache is not None and not seq.num_computed_tokens and self.prefix_cache.waits(seq):
+                w += 1
+                continue
             hit, snap = self._reuse_prefix(seq)
             n = self._chunk(seq, budget)
             if not self._grow(seq, n):
@@ -112,7 +119,8 @@ class Scheduler:
                 break
             if hit is not None:
                 self.prefix_cache.count(seq, hit)
-            self.waiting.popleft()
+                self.prefix_cache.claim(seq)
+            del self.waiting[w]
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.allocate()
                 if snap is not None:  # enqueued before this step's forward, after the step that saved it
