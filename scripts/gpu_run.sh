@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything lamina measures on the GPU, in one go: kernel checks, GPU parity tests, then the benchmarks.
-# Usage (on the GPU machine, repo root): scripts/gpu_run.sh [tests|bench|all]  -- logs and JSON go to $OUT.
+# Usage (on the GPU machine, repo root): scripts/gpu_run.sh [tests|smol|bench|bench2|hybrid|hybrid-bench|all]
+# -- logs and JSON go to $OUT. hybrid: the state-layer / MoE kernel tests, the hybrid GPU tests and the GDN
+# prefill kernel bench (minutes); hybrid-bench: the Qwen3-Next-80B-A3B-24L benchmarks (loads ~80 GB twice).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -38,4 +40,25 @@ if [ "$what" = bench2 ] || [ "$what" = all ]; then
      --result-file "$OUT/prefill_qwen3_8b.json" 2>&1 | tail -25
   $B prefix --model random:qwen3-0.6b --groups 16 --per-group 16 --prefix-len 4096 --question-len 128 \
      --output-len 128 --max-num-batched-tokens 8192 --result-file "$OUT/prefix_qwen3_0.6b.json" 2>&1 | tail -30
+fi
+if [ "$what" = hybrid ]; then
+  python3 -m pytest -q -s tests/kernels tests/gpu/test_gpu_hybrid.py 2>&1 | tee "$OUT/gpu_hybrid_tests.log" \
+    | grep -E "passed|failed|FAIL|Error|error|ours max" | tail -40
+  python3 -m lamina.cli bench gdn-prefill --seq-len 16384 --result-file "$OUT/gdn_prefill_16k.json" 2>&1 | tail -20
+fi
+if [ "$what" = hybrid-bench ]; then
+  B="python3 -m lamina.cli bench"; M=random:qwen3-next-80b-a3b-24l
+  $B latency --model $M --input-len 128 --output-len 256 --max-num-seqs 64 --baseline hf \
+     --result-file "$OUT/latency_qwen3_next_24l.json" 2>&1 | grep -vE "it/s|tensor/s" | tail -30
+  $B throughput --model $M --num-prompts 64 --input-len 1024 --output-len 256 --max-num-seqs 64 \
+     --max-num-batched-tokens 8192 --baseline hf --hf-mode generate \
+     --result-file "$OUT/throughput_qwen3_next_24l.json" 2>&1 | grep -vE "it/s|tensor/s" | tail -30
+fi
+if [ "$what" = hybrid-prefix ]; then
+  python3 -m lamina.cli bench prefix --model random:qwen3-next-80b-a3b-24l --groups 16 --per-group 16 \
+     --prefix-len 4096 --question-len 128 --output-len 128 --max-num-seqs 256 --num-state-snapshots 128 --max-num-batched-tokens 8192 \
+     --result-file "$OUT/prefix_qwen3_next_24l.json" 2>&1 | tail -30
+  python3 -m lamina.cli bench prefix --model random:qwen3-0.6b --groups 16 --per-group 16 --prefix-len 4096 \
+     --question-len 128 --output-len 128 --max-num-batched-tokens 8192 \
+     --result-file "$OUT/prefix_qwen3_0.6b.json" 2>&1 | tail -30
 fi
