@@ -16,6 +16,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     """Softmax over experts in fp32, top-k, optional renormalization (norm_topk_prob), like HF's TopKRouter.
 
     Returns (weights [T, k] in the logits' dtype, expert ids [T, k] int64)."""
+    if use_triton(router_logits):
+        try:
+            from lamina.kernels.triton_moe import select_experts_triton  # type: ignore[import-not-found]
+        except ImportError:
+            pass
+        else:
+            return select_experts_triton(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

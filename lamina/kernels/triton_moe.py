@@ -1,0 +1,287 @@
+"""Triton fused MoE: top-k routing and the experts' SwiGLU as two grouped GEMMs (the reference is fused_moe_ref).
+
+Layout. The P = T*k (token, slot) pairs, pair p = token*k + slot, are grouped by expert in pair order and each
+expert's group is padded to a multiple of BLOCK_M: `sorted_ids[num_blocks_max * BLOCK_M]` holds pair indices
+(sentinel P in padding rows) and `block_expert[num_blocks_max]` the expert of each M-block (E for unused
+blocks). num_blocks_max = min(P, E) + ceil(P / BLOCK_M) bounds the blocks any routing can need, so every grid
+comes from host shapes; programs of unused blocks read E and exit. The layout is built on the device: for
+P <= SMALL_PAIRS by one single-program kernel (`_align_kernel`: tl.histogram, cumsums, a stable tl.sort of
+expert*BLOCK_P + pair, then each block's rows gathered from the sorted pairs), above that by a few torch ops
+(stable argsort, scatter_add histogram, cumsum, searchsorted; no bincount, which syncs). No host syncs anywhere,
+so decode can be captured in a CUDA graph and replayed with other routings.
+
+GEMM 1 (`_gemm1_kernel`, program = M-block x BLOCK_N columns of I): gathers the block's token rows of x and
+accumulates the gate and up tiles (two fp32 accumulators over K = H), writes silu(gate) * up rounded to x's
+dtype into inter[P, I] at the pairs' rows. GEMM 2 (`_gemm2_kernel`, M-block x BLOCK_N columns of H, K = I):
+gathers inter rows, scales by the pair's routing weight in fp32, writes out_pairs[P, H] in x's dtype; a torch
+`.view(T, k, H).sum(1)` (fp32 accumulation) adds a token's k slots. Padding rows are masked on every load and
+store. Decode is weight-bandwidth bound: BLOCK_M = 16 (mma.sync), each expert's weights are read once per
+M-block, and BLOCK_N is small enough for a few hundred programs; prefill uses 64-row tiles (wgmma).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+SMALL_PAIRS = 4096  # at most this many (token, slot) pairs: the single-program align kernel builds the layout
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+                  BLOCK_P: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    p = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=num_experts).to(tl.int32)  # padding -> bin E
+    e = tl.arange(0, NUM_BINS)
+    counts = tl.where(e < num_experts, tl.histogram(ids, NUM_BINS), 0)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    blk_end = tl.cumsum(nblk, 0)
+    blk_start = blk_end - nblk
+    total = tl.sum(nblk, 0)
+    c_start = tl.cumsum(counts, 0) - counts
+    # Pairs grouped by expert, in pair order within an expert (keys are distinct, so the order is stable).
+    sorted_pair = tl.sort(ids * BLOCK_P + p) % BLOCK_P
+    b_loc = tl.arange(0, BLOCK_B)
+    r_loc = tl.arange(0, BLOCK_M)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + b_loc
+        used = b < total
+        # expert of block b = number of experts whose blocks all end at or before b (blk_end is nondecreasing)
+        ex = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(used, ex, num_experts), mask=b < num_blocks)
+        exc = tl.where(used, ex, 0)
+        rank = (b - tl.gather(blk_start, exc, 0))[:, None] * BLOCK_M + r_loc[None, :]  # [BLOCK_B, BLOCK_M]
+        ok = used[:, None] & (rank < tl.gather(counts, exc, 0)[:, None])
+        src = tl.where(ok, tl.gather(c_start, exc, 0)[:, None] + rank, 0)
+        pair = tl.reshape(tl.gather(sorted_pair, tl.reshape(src, [BLOCK_B * BLOCK_M]), 0), [BLOCK_B, BLOCK_M])
+        tl.store(sorted_ptr + b[:, None] * BLOCK_M + r_loc[None, :], tl.where(ok, pair, num_pairs),
+                 mask=(b < num_blocks)[:, None])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, num_experts, N, K,
+                  stride_xm, stride_we, stride_wn, stride_om,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """inter[pair, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for the block's pairs (N = I, K = H)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= num_experts:  # a block no routing of this shape fills
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    tok = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gemm2_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, num_pairs, num_experts, N, K,
+                  stride_am, stride_we, stride_wn, stride_om,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """out_pairs[pair, n] = weight[pair] * (inter[pair] . w2[e, n]) for the block's pairs (N = H, K = I)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= num_experts:
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    rows = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, id_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < num_experts
+    x = tl.load(logits_ptr + row * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.where(ok, tl.exp(x - tl.max(x, 0)), 0.0)
+    probs = p / tl.sum(p, 0)
+    cur = tl.where(ok, probs, -1.0)  # taken and padding lanes become -1 (probabilities are >= 0)
+    slot = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        v = tl.max(cur, 0)
+        idx = tl.min(tl.where(cur == v, e, BLOCK_E), 0)  # lowest index among ties
+        w = tl.where(slot == i, v, w)
+        ids = tl.where(slot == i, idx, ids)
+        cur = tl.where(e == idx, -1.0, cur)
+    if RENORM:
+        w = w / tl.sum(tl.where(slot < TOP_K, w, 0.0), 0)
+    tl.store(w_ptr + row * TOP_K + slot, w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
+    tl.store(id_ptr + row * TOP_K + slot, ids.to(tl.int64), mask=slot < TOP_K)
+
+
+def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] in the logits' dtype, ids [T, k] int64), like select_experts."""
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    t, e = logits.shape
+    weights = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(e)
+    _topk_softmax_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, BLOCK_E=block_e,
+                               BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize),
+                               num_warps=4 if block_e >= 512 else 1)
+    return weights, ids
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTiles:
+    block_m: int
+    n1: int  # GEMM 1: BLOCK_N over I (two accumulators: gate and up), BLOCK_K over H
+    k1: int
+    n2: int  # GEMM 2: BLOCK_N over H, BLOCK_K over I
+    k2: int
+    warps: int = 4
+    stages: int = 3
+
+
+def moe_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
+    """Tiles per regime. Decode: 16-row blocks, narrow N tiles for enough programs, long K tiles and 4 stages
+    for bytes in flight. ptxas -v, sm_90, Triton 3.6, Qwen3-Next shape (H 2048, I 512, E 512), GEMM1 / GEMM2:
+    bf16 P<=64 90/96 regs, 80 KB smem, HMMA; P<=16E 104/64 regs, 108/60 KB; prefill 119/127 regs, 72 KB,
+    HGMMA; fp32 51-96 regs, FFMA. No spills, no stack frame."""
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units: small tiles
+        return MoeTiles(16, 32, 32, 32, 32, 4, 2) if num_pairs <= 4 * num_experts else \
+            MoeTiles(32, 32, 32, 64, 32, 4, 2)
+    if num_pairs <= 64:  # a few tokens: few experts, so narrow N tiles to spread each expert over more SMs
+        return MoeTiles(16, 32, 256, 64, 256, 4, 3)
+    if num_pairs <= 16 * num_experts:  # decode batches: up to ~16 rows per expert
+        return MoeTiles(16, 64, 128, 64, 128, 4, 4)
+    return MoeTiles(64, 64, 64, 128, 64, 4, 3)
+
+
+def _fit(block: int, dim: int) -> int:
+    return max(16, min(block, triton.next_power_of_2(dim)))
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, method: str | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids [num_blocks_max * block_m] int32, block_expert [num_blocks_max] int32), built on the device.
+
+    method: "kernel" (single-program Triton kernel), "torch", or None (kernel for at most SMALL_PAIRS pairs)."""
+    flat = topk_ids.reshape(-1)
+    p = flat.numel()
+    num_blocks = min(p, num_experts) + triton.cdiv(p, block_m)
+    dev = topk_ids.device
+    if method is None:
+        method = "kernel" if p <= SMALL_PAIRS else "torch"
+    if method == "kernel":
+        sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+        block_p = triton.next_power_of_2(max(p, 16))
+        _align_kernel[(1,)](flat, sorted_ids, block_expert, p, num_experts, num_blocks, BLOCK_P=block_p,
+                            NUM_BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
+                            BLOCK_B=max(1, 256 // block_m), num_warps=8 if block_p >= 1024 else 4)
+        return sorted_ids, block_expert
+    flat = flat.long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    nblk = (counts + block_m - 1) // block_m
+    blk_end = torch.cumsum(nblk, 0)
+    delta = (blk_end - nblk) * block_m - (torch.cumsum(counts, 0) - counts)  # padded start - packed start
+    dest = torch.arange(p, device=dev) + delta[flat[order]]
+    sorted_ids = torch.full((num_blocks * block_m,), p, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    blocks = torch.arange(num_blocks, device=dev, dtype=torch.int64)
+    block_expert = torch.searchsorted(blk_end, blocks, right=True).clamp_(max=num_experts).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, *, tiles: MoeTiles | None = None, align: str | None = None
+                     ) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H] in x's dtype.
+    The keyword-only arguments exist for tests and tuning sweeps."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights need contiguous rows"
+    t, h = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    top_k = topk_ids.shape[1]
+    p = t * top_k
+    if p == 0:
+        return torch.zeros_like(x)
+    tl_ = tiles or moe_tiles(p, num_experts, x.dtype)
+    bm = tl_.block_m
+    n1, k1, n2, k2 = _fit(tl_.n1, inter_size), _fit(tl_.k1, h), _fit(tl_.n2, h), _fit(tl_.k2, inter_size)
+    sorted_ids, block_expert = moe_align(topk_ids.contiguous(), num_experts, bm, align)
+    num_blocks = block_expert.numel()
+    weights = topk_weights.reshape(-1)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    inter = torch.empty(p, inter_size, dtype=x.dtype, device=x.device)
+    _gemm1_kernel[(num_blocks * triton.cdiv(inter_size, n1),)](
+        x, w13, inter, sorted_ids, block_expert, p, top_k, num_experts, inter_size, h,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        BLOCK_M=bm, BLOCK_N=n1, BLOCK_K=k1, EVEN_K=h % k1 == 0, DOT_PREC=prec,
+        num_warps=tl_.warps, num_stages=tl_.stages)
+    out_pairs = torch.empty(p, h, dtype=x.dtype, device=x.device)
+    _gemm2_kernel[(num_blocks * triton.cdiv(h, n2),)](
+        inter, w2, out_pairs, sorted_ids, block_expert, weights, p, num_experts, h, inter_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), out_pairs.stride(0),
+        BLOCK_M=bm, BLOCK_N=n2, BLOCK_K=k2, EVEN_K=inter_size % k2 == 0, DOT_PREC=prec,
+        num_warps=tl_.warps, num_stages=tl_.stages)
+    return out_pairs.view(t, top_k, h).sum(dim=1)
