@@ -26,7 +26,9 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5Config", dict(text_config=dict(BASE, intermediate_size=128, **LINEAR,
                                                        layer_types=HYBRID_TYPES),
                                       vision_config=TINY_VISION), "Qwen3_5ForConditionalGeneration"),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(BASE, **LINEAR, **EXPERTS, shared_expert_intermediate_size=48,
+    # Its shared expert is as wide as a routed one, so lamina folds it into the routed experts (qwen3_next's
+    # is wider and stays separate): both layouts are tested.
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(BASE, **LINEAR, **EXPERTS, shared_expert_intermediate_size=32,
                                                  layer_types=HYBRID_TYPES), "Qwen3_5MoeForCausalLM"),
 }
 

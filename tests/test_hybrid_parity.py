@@ -52,6 +52,11 @@ def test_prompt_logprobs_match_hf(ckpts, family, chunk):
     ours = torch.tensor([out.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))])
     assert (ours - _hf_chosen(ckpts[family])).abs().max().item() <= 1e-4
     assert all_free(llm)
+    # qwen3_5_moe's shared expert is folded into the routed experts; qwen3_next's (wider) is not.
+    from lamina.models.layers.moe import SparseMoE
+
+    fused = {m.shared_fused for m in llm.engine.model.modules() if isinstance(m, SparseMoE)}
+    assert fused == {"qwen3_5_moe": {True}, "qwen3_next": {False}, "qwen3_moe": {False}}.get(family, set())
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -65,7 +65,7 @@ def _expert_params(model: torch.nn.Module) -> dict[int, float]:
     for m in model.modules():
         if isinstance(m, SparseMoE):
             for p in m.experts.parameters():
-                frac[id(p)] = m.top_k / m.experts.num_experts
+                frac[id(p)] = m.experts_per_token / m.experts.num_experts
     return frac
 
 

@@ -12,21 +12,25 @@ import torch.nn.functional as F
 from lamina.kernels.dispatch import use_triton
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in fp32, top-k, optional renormalization (norm_topk_prob), like HF's TopKRouter.
 
-    Returns (weights [T, k] in the logits' dtype, expert ids [T, k] int64)."""
+    shared: the last logit column is a shared expert's gate (folded in as the last expert, see
+    SparseMoE.fuse_shared_expert): it is appended to every token's choice with weight sigmoid(logit).
+    Returns (weights [T, k(+1)] in the logits' dtype, expert ids [T, k(+1)] int64)."""
     if use_triton(router_logits):
-        try:
-            from lamina.kernels.triton_moe import select_experts_triton  # type: ignore[import-not-found]
-        except ImportError:
-            pass
-        else:
-            return select_experts_triton(router_logits, top_k, renormalize)
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        from lamina.kernels.triton_moe import select_experts_triton
+
+        return select_experts_triton(router_logits, top_k, renormalize, shared)
+    routed = router_logits[:, :-1] if shared else router_logits
+    probs = torch.softmax(routed, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if shared:
+        weights = torch.cat([weights, torch.sigmoid(router_logits[:, -1:].float())], dim=1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], routed.shape[1])], dim=1)
     return weights.to(router_logits.dtype), ids
 
 
@@ -53,12 +57,8 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """Dispatch: a GPU grouped-GEMM kernel (same signature) once one exists."""
     if use_triton(x):
-        try:
-            from lamina.kernels.triton_moe import fused_moe_triton  # type: ignore[import-not-found]
-        except ImportError:
-            pass
-        else:
-            return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+        from lamina.kernels.triton_moe import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -145,7 +145,8 @@ def _gemm2_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_pt
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, w_ptr, id_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+                         SHARED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < num_experts
@@ -164,22 +165,29 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, id_ptr, num_experts, stride_l, TOP_K
         cur = tl.where(e == idx, -1.0, cur)
     if RENORM:
         w = w / tl.sum(tl.where(slot < TOP_K, w, 0.0), 0)
-    tl.store(w_ptr + row * TOP_K + slot, w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
-    tl.store(id_ptr + row * TOP_K + slot, ids.to(tl.int64), mask=slot < TOP_K)
+    width = TOP_K + SHARED
+    tl.store(w_ptr + row * width + slot, w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
+    tl.store(id_ptr + row * width + slot, ids.to(tl.int64), mask=slot < TOP_K)
+    if SHARED:  # the shared expert, folded in as expert `num_experts`, always taken with sigmoid(its logit)
+        s = tl.load(logits_ptr + row * stride_l + num_experts).to(tl.float32)
+        tl.store(w_ptr + row * width + TOP_K, tl.sigmoid(s).to(w_ptr.dtype.element_ty))
+        tl.store(id_ptr + row * width + TOP_K, num_experts.to(tl.int64))
 
 
-def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
+def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, shared: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, k] in the logits' dtype, ids [T, k] int64), like select_experts."""
+    """router_logits [T, E] -> (weights [T, k] in the logits' dtype, ids [T, k] int64), like select_experts
+    (shared: the last logit column is the shared expert's gate; it becomes column k, expert id E - 1)."""
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     t, e = logits.shape
-    weights = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    e -= int(shared)
+    weights = torch.empty(t, top_k + int(shared), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(t, top_k + int(shared), dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
     block_e = triton.next_power_of_2(e)
     _topk_softmax_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, BLOCK_E=block_e,
-                               BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize),
+                               BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize), SHARED=bool(shared),
                                num_warps=4 if block_e >= 512 else 1)
     return weights, ids
 

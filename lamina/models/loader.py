@@ -87,7 +87,7 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
             for p in model.parameters():
                 p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
         model.init_rope(max_positions)
-        return model.eval()
+        return _finalize(model).eval()
     if source.kind == "gguf":
         from lamina.models.gguf_loader import hf_config_from_gguf, iter_gguf
 
@@ -100,4 +100,14 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     load_weights(model, tqdm(tensors, total=total, desc="loading weights", unit="tensor",
                              disable=not progress, leave=False))
     model.init_rope(max_positions)
-    return model.eval()
+    return _finalize(model).eval()
+
+
+def _finalize(model: CausalLM) -> CausalLM:
+    """Weight layout changes that need the loaded weights (checkpoint names no longer apply after this)."""
+    from lamina.models.layers.moe import SparseMoE
+
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.fuse_shared_expert()
+    return model

@@ -129,6 +129,12 @@ def test_select_experts(t, e, k, renorm, dtype):
     assert ids.dtype == torch.int64 and w.dtype == dtype and w.shape == (t, k)
     assert torch.equal(ids.cpu(), id_ref)
     torch.testing.assert_close(w.cpu(), w_ref, rtol=TOL[dtype], atol=1e-6)
+    # A folded-in shared expert: one more logit column, appended as expert e with weight sigmoid(logit).
+    with_shared = torch.cat([logits, torch.randn(t, 1, generator=gen).to(dtype)], dim=1)
+    w_ref, id_ref = select_experts(with_shared, k, renorm, shared=True)
+    w, ids = select_experts_triton(with_shared.to(DEV), k, renorm, shared=True)
+    assert w.shape == (t, k + 1) and torch.equal(ids.cpu(), id_ref) and (id_ref[:, -1] == e).all()
+    torch.testing.assert_close(w.cpu(), w_ref, rtol=TOL[dtype], atol=1e-6)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

@@ -58,9 +58,34 @@ class SparseMoE(nn.Module):
         if m.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, m.shared_intermediate_size, cfg.hidden_act)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_fused = False
+
+    @property
+    def experts_per_token(self) -> int:
+        """Rows of the stacked expert weights one token reads (its top_k, plus a folded-in shared expert)."""
+        return self.top_k + int(self.shared_fused)
+
+    @torch.no_grad()
+    def fuse_shared_expert(self) -> None:
+        """Folds the shared expert into the routed ones, once weights are loaded: it becomes expert E, always
+        chosen, with weight sigmoid(its gate), and its gate becomes row E of the router. One router GEMM and
+        one grouped-GEMM pair then do what took seven more kernels per layer (the decode step is launch
+        bound). Needs the shared expert's width to equal the routed experts' (Qwen3-Next, Qwen3.5-MoE)."""
+        se, ex = self.shared_expert, self.experts
+        if se is None or self.shared_fused or se.down_proj.weight.shape[1] != ex.intermediate:
+            return
+        ex.gate_up_proj = nn.Parameter(torch.cat([ex.gate_up_proj, se.gate_up_proj.weight[None]]),
+                                       requires_grad=False)
+        ex.down_proj = nn.Parameter(torch.cat([ex.down_proj, se.down_proj.weight[None]]), requires_grad=False)
+        ex.num_experts += 1
+        self.gate.weight = nn.Parameter(torch.cat([self.gate.weight, self.shared_expert_gate.weight]),
+                                        requires_grad=False)
+        self.shared_expert = None
+        del self.shared_expert_gate
+        self.shared_fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
         out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
