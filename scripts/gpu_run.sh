@@ -45,6 +45,8 @@ if [ "$what" = hybrid ]; then
   python3 -m pytest -q -s tests/kernels tests/gpu/test_gpu_hybrid.py 2>&1 | tee "$OUT/gpu_hybrid_tests.log" \
     | grep -E "passed|failed|FAIL|Error|error|ours max" | tail -40
   python3 -m lamina.cli bench gdn-prefill --seq-len 16384 --result-file "$OUT/gdn_prefill_16k.json" 2>&1 | tail -20
+  for b in 1 64; do python3 scripts/profile_decode.py --layers 4 --batch $b --top 30 2>&1 | grep -v WARNING \
+    | tee "$OUT/profile_decode_b$b.txt"; done
 fi
 if [ "$what" = hybrid-bench ]; then
   B="python3 -m lamina.cli bench"; M=random:qwen3-next-80b-a3b-24l
