@@ -69,6 +69,7 @@ def _free_device(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        print(f"device memory still allocated before the baseline: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB")
 
 
 def _report(result: dict, path: str | None) -> None:
@@ -96,6 +97,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     device, dtype = eng.device, eng.dtype
     del llm, eng
     if args.baseline == "hf":
+        _report(result, args.result_file)  # lamina's figures survive a baseline that fails (e.g. out of memory)
         _free_device(device)
         mode = args.hf_mode or ("generate_batch" if device.type == "cuda" else "generate")
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
@@ -153,6 +155,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     device, dtype = eng.device, eng.dtype
     del llm, eng
     if args.baseline == "hf":
+        _report(result, args.result_file)
         _free_device(device)
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
         result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)

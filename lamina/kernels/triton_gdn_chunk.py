@@ -343,8 +343,12 @@ def chunk_gated_delta_varlen_triton(q: torch.Tensor, k: torch.Tensor, v: torch.T
     if k.dtype != dt:
         k = k.to(dt)
     tab, nc = _chunk_table(query_start_cpu, q.device)
-    bk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    # 16-bit: no tile dimension below 32 (masked past dk / dv). With 16-wide head dims (the tiny test models)
+    # the kernels hit illegal addresses on the H200 (Triton 3.6); 32 and up ran clean.
+    lo = 1 if dt == torch.float32 else 32
+    bk, bdv = max(lo, triton.next_power_of_2(dk)), max(lo, triton.next_power_of_2(dv))
     tiles = dataclasses.replace(_tiles(dt, dk, dv, b * hv * triton.cdiv(dv, 64)), **(tune or {}))
+    tiles = dataclasses.replace(tiles, state_bv=max(lo, tiles.state_bv), out_bv=max(lo, tiles.out_bv))
     prec = "ieee" if dt == torch.float32 else "tf32"
     dev = q.device
     w = torch.empty(t, hv, dk, dtype=dt, device=dev)

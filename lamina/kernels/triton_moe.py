@@ -192,6 +192,82 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
     return weights, ids
 
 
+@triton.jit
+def _gemv1_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, top_k, N, K, stride_xm, stride_we, stride_wn, stride_om,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Few pairs (decode of a handful of tokens): one program per (pair, BLOCK_N columns of I), no grouping.
+    inter[pair, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]), as a GEMV on the CUDA cores."""
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    tok = (pair // top_k).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        xv = tl.load(x_ptr + tok * stride_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        wg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], 1)
+        acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], 1)
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv2_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, topk_w_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out_pairs[pair, n] = weight[pair] * (inter[pair] . w2[e, n]), one program per (pair, BLOCK_N of H)."""
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        av = tl.load(a_ptr + pair.to(tl.int64) * stride_am + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * av[None, :], 1)
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+GEMV_PAIRS = 64  # at most this many (token, slot) pairs: per-pair GEMVs, no grouping by expert
+
+
+def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """Decode of a handful of tokens: a token's k experts are distinct, so grouping saves no weight bytes and
+    costs a layout kernel; each pair streams its expert's rows directly (weight-bandwidth bound)."""
+    t, h = x.shape
+    inter_size = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    p = t * top_k
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1)
+    ids, weights = (a if a.is_contiguous() else a.contiguous() for a in (ids, weights))
+    inter = torch.empty(p, inter_size, dtype=x.dtype, device=x.device)
+    bn1, bk1 = 16, min(256, triton.next_power_of_2(h))
+    _gemv1_kernel[(p, triton.cdiv(inter_size, bn1))](
+        x, w13, inter, ids, top_k, inter_size, h, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=4)
+    out_pairs = torch.empty(p, h, dtype=x.dtype, device=x.device)
+    bn2, bk2 = 32, min(512, triton.next_power_of_2(inter_size))
+    _gemv2_kernel[(p, triton.cdiv(h, bn2))](
+        inter, w2, out_pairs, ids, weights, h, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
+        out_pairs.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4)
+    return out_pairs.view(t, top_k, h).sum(dim=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeTiles:
     block_m: int
@@ -260,7 +336,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                      topk_ids: torch.Tensor, *, tiles: MoeTiles | None = None, align: str | None = None
                      ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H] in x's dtype.
-    The keyword-only arguments exist for tests and tuning sweeps."""
+    The keyword-only arguments exist for tests and tuning sweeps (align="gemv" forces the per-pair path)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights need contiguous rows"
@@ -271,6 +347,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     p = t * top_k
     if p == 0:
         return torch.zeros_like(x)
+    if align == "gemv" or (p <= GEMV_PAIRS and align is None and tiles is None):
+        return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids)
     tl_ = tiles or moe_tiles(p, num_experts, x.dtype)
     bm = tl_.block_m
     n1, k1, n2, k2 = _fit(tl_.n1, inter_size), _fit(tl_.k1, h), _fit(tl_.n2, h), _fit(tl_.k2, inter_size)

@@ -137,11 +137,11 @@ def test_conv1d_without_pool(dtype):
     pool = torch.full((3, 24, 3), float("nan"), dtype=dtype, device=DEV)
     pool_ref = torch.zeros(3, 24, 3)
     qs = [0, 4, 9]
-    oracle = causal_conv1d_varlen_ref(x.float(), w.float(), None, pool_ref, qs, [2, 0], [False, False])
+    oracle = causal_conv1d_varlen_ref(x.float().cpu(), w.float().cpu(), None, pool_ref, qs, [2, 0], [False, False])
     out = causal_conv1d_varlen_triton(x, w, None, pool, torch.tensor(qs, dtype=torch.int32, device=DEV),
                                       torch.tensor([2, 0], device=DEV), None, 5)
     assert rel_err(out, oracle) < TOL[dtype]
-    assert same(pool[[0, 2]].float(), pool_ref[[0, 2]]) and pool[1].isnan().all()
+    assert same(pool[[0, 2]].float().cpu(), pool_ref[[0, 2]]) and pool[1].isnan().all()
 
 
 def test_conv1d_chunked_prefill_then_decode():

@@ -72,6 +72,10 @@ MOE_CASES = {
     "e512_k10_decode": (3, 512, 10, 32, 16, None, None),
     "e512_k10_batch": (12, 512, 10, 32, 16, None, None),
     "above_small_pairs": (2100, 8, 2, 48, 16, None, None),  # 4200 pairs: torch layout, 64-row blocks
+    # <= 64 pairs take per-pair GEMVs by default; the grouped GEMMs on them, and GEMVs on more pairs, forced:
+    "t5_odd_dims_grouped": (5, 8, 2, 80, 48, None, "kernel"),
+    "e512_k10_decode_grouped": (3, 512, 10, 32, 16, None, "kernel"),
+    "e512_k10_batch_gemv": (12, 512, 10, 40, 24, None, "gemv"),
 }
 MOE_PARAMS = [(c, dt) for c in MOE_CASES for dt in DTYPES]
 
