@@ -80,7 +80,7 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     # Built on the meta device, then given uninitialized storage: no random init, no second copy.
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # dtype first: never materialized in fp32
     model.tie_weights()
     if source.kind == "random":
         with torch.no_grad():
