@@ -89,15 +89,16 @@ def test_prompt_logprobs_bypass_the_cache(checkpoints):
     assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == 19 and out.prompt_logprobs[18] is not None
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_burst_sharing_a_prefix_computes_it_once(checkpoints, overlap):
+@pytest.mark.parametrize("overlap, budget", [(False, 24), (True, 24), (True, 512)])
+def test_burst_sharing_a_prefix_computes_it_once(checkpoints, overlap, budget):
     """Requests arriving together wait for the one computing their shared prefix instead of all prefilling
     it: every follower is served the whole prefix from the cache, even with chunked prefill."""
     prefix = list(range(3000, 3064))  # 16 blocks of 4
     prompts = [{"prompt_token_ids": prefix + [100 + i, 200 + i, 300 + i]} for i in range(6)]
     prompts.append({"prompt_token_ids": list(range(5000, 5030))})  # unrelated: not held back by the waiters
     off = tokens(make(checkpoints["llama"], False).generate(prompts, GREEDY, use_tqdm=False))
-    llm = make(checkpoints["llama"], True, max_num_batched_tokens=24, async_scheduling=overlap)
+    # budget 24: the prefix takes several steps; 512: the whole burst would fit in the first step
+    llm = make(checkpoints["llama"], True, max_num_batched_tokens=budget, async_scheduling=overlap)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert tokens(outs) == off
     assert sorted(o.num_cached_tokens for o in outs) == [0, 0] + [64] * 5

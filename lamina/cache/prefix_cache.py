@@ -74,10 +74,10 @@ class PrefixCache:
         seq.wait_depth = d
         return d < usable and self.computing.get(hashes[d], 0) > 0
 
-    def claim(self, seq: Sequence) -> None:
+    def claim(self, seq: Sequence, cached_tokens: int) -> None:
         """An admitted sequence announces the full blocks it will compute (past its cached prefix)."""
         full = seq.num_tokens // self.block_size
-        seq.claim_start = len(seq.block_table)
+        seq.claim_start = cached_tokens // self.block_size  # not len(block_table): it already has the chunk
         seq.claimed = self._hashes(seq, full)[seq.claim_start:]
         for h in seq.claimed:
             self.computing[h] = self.computing.get(h, 0) + 1

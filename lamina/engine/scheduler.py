@@ -119,7 +119,7 @@ class Scheduler:
                 break
             if hit is not None:
                 self.prefix_cache.count(seq, hit)
-                self.prefix_cache.claim(seq)
+                self.prefix_cache.claim(seq, hit)
             del self.waiting[w]
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.allocate()
