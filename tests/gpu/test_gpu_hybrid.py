@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybrid_helpers import FAMILIES, hf_logprobs, hf_model, hybrid_checkpoints
-from model_factory import shared_prefix_prompts
+from model_factory import assert_within_bf16_noise, shared_prefix_prompts
 from lamina import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -38,11 +38,7 @@ def test_bf16_prompt_logprobs_match_hf(hybrid, family, chunk):
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     ours = torch.tensor([out.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))])
-    hf_noise, ours_err = (hf_bf16 - ref).abs(), (ours - ref).abs()
-    print(f"{family} chunk={chunk}: ours max {ours_err.max():.4f} mean {ours_err.mean():.5f}; "
-          f"HF bf16 max {hf_noise.max():.4f} mean {hf_noise.mean():.5f}")
-    assert ours_err.mean() <= 2 * hf_noise.mean() + 1e-3
-    assert ours_err.max() <= 2 * hf_noise.max() + 1e-2
+    assert_within_bf16_noise(f"{family} chunk={chunk}", ours, ref, hf_bf16)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from model_factory import FAMILY_CONFIGS, hf_logprobs
+from model_factory import FAMILY_CONFIGS, assert_within_bf16_noise, hf_logprobs
 from lamina import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -36,13 +36,7 @@ def test_bf16_prompt_logprobs_match_hf(checkpoints, family, chunk):
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     ours = torch.tensor([out.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))])
-    hf_noise = (hf_bf16 - ref).abs()
-    ours_err = (ours - ref).abs()
-    print(f"{family} chunk={chunk}: ours max {ours_err.max():.4f} mean {ours_err.mean():.5f}; "
-          f"HF bf16 max {hf_noise.max():.4f} mean {hf_noise.mean():.5f}")
-    # bf16 noise: our error may not exceed twice HF's own bf16 error (plus a floor for near-exact cases).
-    assert ours_err.mean() <= 2 * hf_noise.mean() + 1e-3
-    assert ours_err.max() <= 2 * hf_noise.max() + 1e-2
+    assert_within_bf16_noise(f"{family} chunk={chunk}", ours, ref, hf_bf16)
 
 
 def test_decode_uses_graphs_and_matches_eager(checkpoints):

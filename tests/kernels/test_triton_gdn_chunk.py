@@ -7,42 +7,13 @@ the slots of fresh sequences (has_initial_state False) hold NaN too, so reading 
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lamina.kernels.gated_delta import gated_delta_rule_varlen_ref
+from kernel_helpers import CUDA, DEV, TOL, rel_err
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-DEV = torch.device("cuda" if CUDA else "cpu")
-pytestmark = pytest.mark.skipif(not CUDA and not INTERPRET, reason="needs CUDA (or TRITON_INTERPRET=1)")
-TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
-
-
-@pytest.fixture(autouse=True)
-def _triton():
-    pytest.importorskip("triton")
-    if INTERPRET:
-        import triton.runtime.interpreter as interp
-
-        if not getattr(interp, "_lamina_patched", False):
-            orig = interp._patch_lang_tensor
-
-            def patch(tensor, scope):  # numpy >= 2.4 refuses int() on the interpreter's 1-element scalars
-                orig(tensor, scope)
-                scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-            interp._patch_lang_tensor = patch
-            interp._lamina_patched = True
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten element or a fresh slot read?)"
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def make_batch(lens, hk, hv, dk, dv, dtype, seed, strided=False, beta_fp32=False):

@@ -6,8 +6,6 @@ collects without it. Errors are ||out - oracle|| / ||oracle|| against the refere
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,36 +13,9 @@ from lamina.kernels.activation import silu_and_mul_ref
 from lamina.kernels.attention import AttentionMetadata, paged_attention_ref, store_kv_ref
 from lamina.kernels.norm import rms_norm_ref
 from lamina.kernels.rope import apply_rope_ref, rope_cos_sin_cache, rope_inv_freq
+from kernel_helpers import CUDA, DEV, INTERPRET, TOL, rel_err
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-DEV = torch.device("cuda" if CUDA else "cpu")
-pytestmark = pytest.mark.skipif(not CUDA and not INTERPRET, reason="needs CUDA (or TRITON_INTERPRET=1)")
-TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-@pytest.fixture(autouse=True)
-def _triton():
-    pytest.importorskip("triton")
-    if INTERPRET:
-        import triton.runtime.interpreter as interp
-
-        if not getattr(interp, "_lamina_patched", False):
-            orig = interp._patch_lang_tensor
-
-            def patch(tensor, scope):  # numpy >= 2.4 refuses int() on the interpreter's 1-element scalars
-                orig(tensor, scope)
-                scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-            interp._patch_lang_tensor = patch
-            interp._lamina_patched = True
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten element?)"
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def make_step(specs, hq, hkv, d, dtype, page=16, seed=0):
