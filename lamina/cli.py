@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of shared prompt prefixes")
     p.add_argument("--num-state-snapshots", type=int, default=None,
-                   help="hybrid models: recurrent-state snapshots kept for prefix caching (default: 2 x max-num-seqs)")
+                   help="hybrid models: recurrent-state snapshots kept for prefix caching (default: 2 x max-num-seqs, "
+                        "at most 10%% of GPU memory)")
     p.add_argument("--state-snapshot-interval", type=int, default=256,
                    help="hybrid models: tokens between state snapshots (a multiple of block-size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the unseeded-request generator")

@@ -22,8 +22,8 @@ class EngineConfig:
     # Read sampled tokens back one step late so host work overlaps device work. Default: on for CUDA; on the
     # CPU there is nothing to overlap and it would only delay each token by a step.
     async_scheduling: bool | None = None
-    # Hybrid models: recurrent-state snapshots for prefix caching (rows allocated once; None: 2 * max_num_seqs)
-    # and the spacing of the periodic ones in tokens (a multiple of block_size).
+    # Hybrid models: recurrent-state snapshots for prefix caching (rows allocated once; None: 2 * max_num_seqs,
+    # capped at 10% of device memory) and the spacing of the periodic ones in tokens (a multiple of block_size).
     num_state_snapshots: int | None = None
     state_snapshot_interval: int = 256
     tokenizer: str | None = None

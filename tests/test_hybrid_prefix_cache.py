@@ -130,3 +130,13 @@ def test_prefix_caching_off_allocates_no_snapshots(ckpt):
 def test_snapshot_interval_must_be_block_multiple(ckpt):
     with pytest.raises(ValueError, match="multiple of"):
         make(ckpt, True, state_snapshot_interval=6)
+
+
+def test_default_snapshot_count_is_capped_by_device_memory():
+    from lamina.engine.memory import default_num_snapshots
+
+    assert default_num_snapshots(256, 1 << 20, None) == 512  # CPU: two per sequence slot
+    # Qwen3-Next-80B-like: 77 MB per snapshot on a 141 GB device -> 10% of memory, not 2 x 256 (39 GB).
+    assert default_num_snapshots(256, 77 * 10**6, 141 * 10**9) == 183
+    assert default_num_snapshots(4, 1 << 20, 141 * 10**9) == 8
+    assert default_num_snapshots(256, 10**12, 10**9) == 1  # never zero: prefix caching needs one row

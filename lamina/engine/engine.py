@@ -10,23 +10,24 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
 
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.kv_cache import KVCache
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.state_pool import StatePool
-from lamina.kernels.dispatch import triton_available
 from lamina.cache.state_snapshots import StateSnapshots
 from lamina.config import EngineConfig
 from lamina.engine.detokenizer import Detokenizer, initial_state
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
-from lamina.engine.memory import plan_kv_blocks, resolve_device, resolve_dtype
+from lamina.engine.memory import default_num_snapshots, plan_kv_blocks, resolve_device, resolve_dtype
 from lamina.engine.request import RequestGroup, Sequence
 from lamina.engine.runner import ModelRunner
 from lamina.engine.sampler import Sampler, needs_history
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.scheduler import Scheduler, SchedulerOutput
 from lamina.engine.stop import apply_stop_strings, check_token_stop
+from lamina.kernels.dispatch import triton_available
 from lamina.models.loader import load_model, load_tokenizer, read_config, resolve_source
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
@@ -66,7 +67,12 @@ class LLMEngine:
         # Their prefix caching also needs snapshots of that state (allocated here for the same reason).
         self.snapshots = None
         if config.enable_prefix_caching and self.state_pool is not None:
-            n_snap = 2 * config.max_num_seqs if config.num_state_snapshots is None else config.num_state_snapshots
+            n_snap = config.num_state_snapshots
+            if n_snap is None:
+                total = torch.cuda.get_device_properties(self.device).total_memory \
+                    if self.device.type == "cuda" else None
+                n_snap = default_num_snapshots(config.max_num_seqs,
+                                               StatePool.bytes_per_slot(self.model, self.dtype), total)
             self.snapshots = StateSnapshots(self.state_pool, n_snap, config.state_snapshot_interval, bs)
         peak = 0
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gb is None:

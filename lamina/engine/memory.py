@@ -50,3 +50,16 @@ def plan_kv_blocks(cfg: EngineConfig, bytes_per_block: int, device: torch.device
         raise ValueError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB); "
                          "raise gpu_memory_utilization or kv_cache_memory_gb")
     return blocks
+
+
+SNAPSHOT_MEMORY_FRACTION = 0.1  # of device memory, for the default number of state snapshots
+
+
+def default_num_snapshots(max_num_seqs: int, bytes_per_snapshot: int, device_memory: int | None) -> int:
+    """Two snapshots per sequence slot, but at most SNAPSHOT_MEMORY_FRACTION of device memory: one snapshot
+    of a big hybrid model is tens of MB (Qwen3-Next-80B: ~77 MB), so 2 x 256 would take ~39 GB from the
+    KV cache. device_memory None (CPU): no cap."""
+    n = 2 * max_num_seqs
+    if device_memory is not None and bytes_per_snapshot > 0:
+        n = min(n, int(device_memory * SNAPSHOT_MEMORY_FRACTION) // bytes_per_snapshot)
+    return max(1, n)
