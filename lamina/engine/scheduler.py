@@ -15,6 +15,11 @@ from lamina.cache.slot_allocator import SlotAllocator
 from lamina.engine.request import Sequence, SeqStatus
 
 
+# How far past waiting requests that wait for a prefix being computed admission looks in one step (keeps a
+# long queue of waiters from costing a full scan every step).
+WAIT_LOOKAHEAD = 1024
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -103,7 +108,8 @@ class Scheduler:
         # New sequences only when nothing was preempted this step (avoids thrashing the pool). A request whose
         # prefix another running sequence is computing right now is passed over until that block is cached.
         w = 0
-        while w < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while (w < min(len(self.waiting), WAIT_LOOKAHEAD) and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
             seq = self.waiting[w]
             if self.state_slots is not None and self.state_slots.num_free == 0:
                 break  # no more sequences than state slots (checked before blocks are taken)
