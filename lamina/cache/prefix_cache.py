@@ -67,7 +67,9 @@ class PrefixCache:
         if not self.computing:
             return False
         usable = (seq.num_tokens - 1) // self.block_size
-        hashes = self._hashes(seq, usable)
+        if len(seq.block_hashes) < usable:
+            self._hashes(seq, usable)
+        hashes = seq.block_hashes  # not _hashes()'s copy: this runs for every waiting request every step
         d = seq.wait_depth
         while d < usable and self.allocator.lookup(hashes[d]) is not None:
             d += 1
