@@ -103,3 +103,30 @@ def test_burst_sharing_a_prefix_computes_it_once(checkpoints, overlap, budget):
     assert tokens(outs) == off
     assert sorted(o.num_cached_tokens for o in outs) == [0, 0] + [64] * 5
     assert not llm.engine.prefix_cache.computing and all_free(llm)
+
+
+def test_mostly_cached_request_is_admitted_before_an_earlier_cold_one(checkpoints):
+    """A request whose prompt is mostly cached starts before a cold request that arrived first (it needs a
+    few tokens, the cold one many), and both produce the same tokens as without the cache."""
+    prefix = list(range(4000, 4032))  # 8 blocks of 4
+    cold = {"prompt_token_ids": list(range(6000, 6040))}
+    hot = {"prompt_token_ids": prefix + [77, 78]}
+    off = tokens(make(checkpoints["llama"], False).generate([cold, hot], GREEDY, use_tqdm=False))
+    llm = make(checkpoints["llama"], True, max_num_batched_tokens=16, async_scheduling=False)
+    llm.generate({"prompt_token_ids": prefix + [99]}, GREEDY, use_tqdm=False)  # caches the prefix
+    eng = llm.engine
+    eng.stream_outputs = True  # every step's progress, to see who gets a first token when
+    eng.add_request("cold", cold, GREEDY)
+    eng.add_request("hot", hot, GREEDY)
+    first, step, outs = {}, 0, {}
+    while eng.has_unfinished_requests():
+        step += 1
+        for o in eng.step():
+            if o.outputs[0].token_ids:
+                first.setdefault(o.request_id, step)
+            if o.finished:
+                outs[o.request_id] = o
+    assert first["hot"] == 1 and first["cold"] > first["hot"]
+    assert outs["hot"].num_cached_tokens == 32
+    assert [outs["cold"].outputs[0].token_ids, outs["hot"].outputs[0].token_ids] == off
+    assert all_free(llm)

@@ -61,11 +61,10 @@ class PrefixCache:
             self.allocator.share(b)
         return found, snap
 
-    def waits(self, seq: Sequence) -> bool:
-        """Whether the first block of `seq` that is not cached yet is being computed by a running sequence.
-        Rescans from where the last call stopped, so a request that waits for many steps costs O(1) each."""
-        if not self.computing:
-            return False
+    def cached_depth(self, seq: Sequence) -> int:
+        """Leading blocks of a waiting sequence whose KV is cached now (not counting the block it must
+        compute). Rescans from where the last call stopped, so a request that waits for many steps costs O(1)
+        per call; blocks evicted meanwhile only make this an overestimate, which match() corrects."""
         usable = (seq.num_tokens - 1) // self.block_size
         if len(seq.block_hashes) < usable:
             self._hashes(seq, usable)
@@ -74,7 +73,18 @@ class PrefixCache:
         while d < usable and self.allocator.lookup(hashes[d]) is not None:
             d += 1
         seq.wait_depth = d
-        return d < usable and self.computing.get(hashes[d], 0) > 0
+        return d
+
+    def waits(self, seq: Sequence) -> bool:
+        """Whether the first block of `seq` that is not cached yet is being computed by a running sequence."""
+        if not self.computing:
+            return False
+        d = self.cached_depth(seq)
+        return d < (seq.num_tokens - 1) // self.block_size and self.computing.get(seq.block_hashes[d], 0) > 0
+
+    def mostly_cached(self, seq: Sequence) -> bool:
+        """At least half of the prompt is cached: admitting it first costs little and gives a first token soon."""
+        return 2 * self.cached_depth(seq) * self.block_size >= seq.num_tokens
 
     def claim(self, seq: Sequence, cached_tokens: int) -> None:
         """An admitted sequence announces the full blocks it will compute (past its cached prefix)."""

@@ -105,37 +105,53 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
                 budget -= n
                 i += 1
-        # New sequences only when nothing was preempted this step (avoids thrashing the pool). A request whose
-        # prefix another running sequence is computing right now is passed over until that block is cached.
-        w = 0
-        while (w < min(len(self.waiting), WAIT_LOOKAHEAD) and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[w]
-            if self.state_slots is not None and self.state_slots.num_free == 0:
-                break  # no more sequences than state slots (checked before blocks are taken)
-            if self.prefix_cache is not None and not seq.num_computed_tokens and self.prefix_cache.waits(seq):
-                w += 1
-                continue
-            hit, snap = self._reuse_prefix(seq)
-            n = self._chunk(seq, budget)
-            if not self._grow(seq, n):
-                if hit:  # undo the reuse; the sequence stays first in line
-                    self.allocator.free(seq.block_table[::-1])
-                    seq.block_table, seq.num_computed_tokens = [], 0
-                break
-            if hit is not None:
-                self.prefix_cache.count(seq, hit)
-                self.prefix_cache.claim(seq, hit)
-            del self.waiting[w]
-            if self.state_slots is not None:
-                seq.state_slot = self.state_slots.allocate()
-                if snap is not None:  # enqueued before this step's forward, after the step that saved it
-                    self.prefix_cache.restore(snap, seq.state_slot)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
-            budget -= n
+        if not preempted:  # new sequences only when nothing was preempted (avoids thrashing the pool)
+            self._admit_waiting(budget, scheduled)
         return SchedulerOutput(scheduled, preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
+        """Admits waiting sequences in arrival order, with two exceptions when prefix caching is on: a request
+        whose prefix another running sequence is computing right now is passed over until that block is
+        cached, and requests that are mostly cached go first (a few tokens each, so a burst sharing a system
+        prompt gets its first tokens without queueing behind the cold prompts that arrived in between)."""
+        passes = (True, False) if self.prefix_cache is not None else (False,)
+        for hot_only in passes:
+            w = 0
+            while w < min(len(self.waiting), WAIT_LOOKAHEAD) and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[w]
+                if self.state_slots is not None and self.state_slots.num_free == 0:
+                    return  # no more sequences than state slots (checked before blocks are taken)
+                if self.prefix_cache is not None and not seq.num_computed_tokens and (
+                        self.prefix_cache.waits(seq) or (hot_only and not self.prefix_cache.mostly_cached(seq))):
+                    w += 1
+                    continue
+                n = self._admit(seq, w, budget, scheduled)
+                if n is None:
+                    return  # the KV pool is full: the sequence stays in line
+                budget -= n
+
+    def _admit(self, seq: Sequence, w: int, budget: int, scheduled: list[ScheduledSeq]) -> int | None:
+        """Starts waiting[w] with a chunk of at most `budget` tokens; None (nothing changed) if its blocks do
+        not fit."""
+        hit, snap = self._reuse_prefix(seq)
+        n = self._chunk(seq, budget)
+        if not self._grow(seq, n):
+            if hit:  # undo the reuse
+                self.allocator.free(seq.block_table[::-1])
+                seq.block_table, seq.num_computed_tokens = [], 0
+            return None
+        if hit is not None:
+            self.prefix_cache.count(seq, hit)
+            self.prefix_cache.claim(seq, hit)
+        del self.waiting[w]
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.allocate()
+            if snap is not None:  # enqueued before this step's forward, after the step that saved it
+                self.prefix_cache.restore(snap, seq.state_slot)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+        return n
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute this step; a prefill chunk of a hybrid model with prefix caching ends at the next
