@@ -52,13 +52,16 @@ def _run(kwargs: dict, args, cache: bool) -> dict:
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
     first: dict[str, float] = {}
-    cached = 0
+    first_step: dict[str, int] = {}  # engine steps to the first token: the schedule's share of TTFT
+    cached = steps = 0
     for i, p in enumerate(prompts):
         eng.add_request(f"p{i}", {"prompt_token_ids": p}, params)
     while eng.has_unfinished_requests():
+        steps += 1
         for out in eng.step():
             if out.request_id not in first and out.outputs[0].token_ids:
                 first[out.request_id] = time.perf_counter() - start
+                first_step[out.request_id] = steps
             if out.finished:
                 cached += out.num_cached_tokens
     elapsed = time.perf_counter() - start
@@ -67,6 +70,7 @@ def _run(kwargs: dict, args, cache: bool) -> dict:
     res = {"prefix_caching": cache, "elapsed_s": elapsed, "prompt_tokens": total_prompt,
            "prefill_tokens_computed": total_prompt - cached, "ttft_median_s": statistics.median(ttfts),
            "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))],
+           "ttft_median_steps": statistics.median(first_step.values()), "steps": steps,
            "output_tok_s": len(prompts) * args.output_len / elapsed,
            "snapshot_hits": eng.stats().num_snapshot_hits}  # hybrid models: restored state snapshots
     del llm, eng
