@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Everything lamina measures on the GPU, in one go: kernel checks, GPU parity tests, then the benchmarks.
-# Usage (on the GPU machine, repo root): scripts/gpu_run.sh [tests|smol|bench|bench2|hybrid|hybrid-bench|all]
-# -- logs and JSON go to $OUT. hybrid: the state-layer / MoE kernel tests, the hybrid GPU tests and the GDN
-# prefill kernel bench (minutes); hybrid-bench: the Qwen3-Next-80B-A3B-24L benchmarks (loads ~80 GB twice).
+# Everything lamina measures on the GPU: kernel checks, GPU parity tests, then the benchmarks.
+# Usage (on the GPU machine, repo root):
+#   scripts/gpu_run.sh [tests|smol|bench|bench2|all|hybrid|hybrid-bench|hybrid-prefix]
+# -- logs and JSON go to $OUT. all: the dense sections (tests, bench, bench2). hybrid: every Triton kernel
+# test, the hybrid GPU tests, the GDN prefill kernel bench and decode profiles (~4 min); hybrid-bench: the
+# Qwen3-Next-80B-A3B-24L latency and throughput benchmarks with their HF baselines (~4 min, loads ~80 GB
+# four times); hybrid-prefix: the shared-prefix bench on the hybrid and the dense shape (~2 min). Each
+# section fits one 10-minute device call.
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
