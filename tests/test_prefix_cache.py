@@ -130,3 +130,26 @@ def test_mostly_cached_request_is_admitted_before_an_earlier_cold_one(checkpoint
     assert outs["hot"].num_cached_tokens == 32
     assert [outs["cold"].outputs[0].token_ids, outs["hot"].outputs[0].token_ids] == off
     assert all_free(llm)
+
+
+def test_cold_request_passed_over_at_most_a_bounded_number_of_times(checkpoints):
+    """Mostly-cached requests go first, but a cold request that keeps being passed over gets its turn."""
+    from lamina.engine import scheduler as sched
+
+    llm = make(checkpoints["llama"], True, max_num_batched_tokens=8, async_scheduling=False)
+    prefix = list(range(4000, 4032))
+    llm.generate({"prompt_token_ids": prefix + [99]}, GREEDY, use_tqdm=False)  # caches the prefix
+    eng = llm.engine
+    eng.add_request("cold", {"prompt_token_ids": list(range(6000, 6040))}, GREEDY)
+    waited = 0
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for i in range(sched.MAX_PASSED_OVER + 5):  # cache hits of 2 new tokens each, 4 a step: the whole budget
+        for j in range(4):
+            eng.add_request(f"hot{i}.{j}", {"prompt_token_ids": prefix + [7, 4 * i + j]}, one)
+        eng.step()
+        if any(s.request_id == "cold" for s in eng.scheduler.waiting):
+            waited += 1
+    assert sched.MAX_PASSED_OVER <= waited <= sched.MAX_PASSED_OVER + 2  # then it was admitted
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert all_free(llm)

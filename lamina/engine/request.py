@@ -44,6 +44,7 @@ class Sequence:
     claimed: list[int] = field(default_factory=list)
     claim_start: int = 0
     wait_depth: int = 0
+    times_passed_over: int = 0  # steps in which mostly-cached requests were admitted ahead of this one
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -18,6 +18,8 @@ from lamina.engine.request import Sequence, SeqStatus
 # How far past waiting requests that wait for a prefix being computed admission looks in one step (keeps a
 # long queue of waiters from costing a full scan every step).
 WAIT_LOOKAHEAD = 1024
+# A cold request passed over this many times for mostly-cached ones goes first itself (bounds its wait).
+MAX_PASSED_OVER = 32
 
 
 @dataclass
@@ -113,7 +115,8 @@ class Scheduler:
         """Admits waiting sequences in arrival order, with two exceptions when prefix caching is on: a request
         whose prefix another running sequence is computing right now is passed over until that block is
         cached, and requests that are mostly cached go first (a few tokens each, so a burst sharing a system
-        prompt gets its first tokens without queueing behind the cold prompts that arrived in between)."""
+        prompt gets its first tokens without queueing behind the cold prompts that arrived in between) unless
+        a cold one has been passed over MAX_PASSED_OVER times already."""
         passes = (True, False) if self.prefix_cache is not None else (False,)
         for hot_only in passes:
             w = 0
@@ -121,10 +124,15 @@ class Scheduler:
                 seq = self.waiting[w]
                 if self.state_slots is not None and self.state_slots.num_free == 0:
                     return  # no more sequences than state slots (checked before blocks are taken)
-                if self.prefix_cache is not None and not seq.num_computed_tokens and (
-                        self.prefix_cache.waits(seq) or (hot_only and not self.prefix_cache.mostly_cached(seq))):
-                    w += 1
-                    continue
+                if self.prefix_cache is not None and not seq.num_computed_tokens:
+                    if self.prefix_cache.waits(seq):
+                        w += 1
+                        continue
+                    if hot_only and seq.times_passed_over < MAX_PASSED_OVER and \
+                            not self.prefix_cache.mostly_cached(seq):
+                        seq.times_passed_over += 1
+                        w += 1
+                        continue
                 n = self._admit(seq, w, budget, scheduled)
                 if n is None:
                     return  # the KV pool is full: the sequence stays in line
