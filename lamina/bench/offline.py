@@ -83,11 +83,11 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 def state_bytes_per_token(model: torch.nn.Module, context_len: int) -> int:
     """Bytes of per-sequence state one decode step reads or writes: the recurrent and conv states of the
     state layers (read and written back), and the KV cache of the attention layers at context_len."""
-    from lamina.cache.kv_cache import KVCache
-    from lamina.cache.state_pool import StatePool
+    from lamina.cache.state_layout import StateLayout
 
-    state = 2 * StatePool.bytes_per_slot(model, next(model.parameters()).dtype)
-    kv = KVCache.bytes_per_block(model, 1, next(model.parameters()).dtype) * context_len
+    layout = StateLayout.collect(model.state_layers(), next(model.parameters()).dtype)
+    state = 2 * layout.bytes_per_slot()
+    kv = layout.kv_bytes_per_block(1) * context_len
     return state + kv
 
 

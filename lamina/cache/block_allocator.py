@@ -19,8 +19,8 @@ class BlockAllocator:
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
 
     @property
     def num_free(self) -> int:
@@ -29,10 +29,6 @@ class BlockAllocator:
     @property
     def num_cached(self) -> int:
         return len(self._hash_of)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0
 
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
@@ -67,7 +63,7 @@ class BlockAllocator:
                 else:
                     self._free.append(b)
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: bytes) -> int | None:
         return self._by_hash.get(block_hash)
 
     def forget(self, blocks: list[int]) -> None:
@@ -80,7 +76,7 @@ class BlockAllocator:
                     del self._evictable[b]
                     self._free.append(b)
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: bytes) -> None:
         """Makes a full, computed block findable by its content hash (first writer wins)."""
         if block_hash not in self._by_hash and block not in self._hash_of:
             self._by_hash[block_hash] = block

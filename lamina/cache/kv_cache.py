@@ -1,27 +1,24 @@
-"""The paged KV pool: one allocation per attention layer, bound into the model's attention modules."""
+"""The paged KV pool: one allocation per KV layer, laid out as that layer's spec declares.
+
+The pool only allocates: the engine binds `views` into the layers (StateLayout.bind_kv). All KV layers share
+one block table, so block b is row b of every layer's allocation.
+"""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from lamina.models.layers.attention import Attention
+from lamina.cache.specs import BlockSpec
 
 
 class KVCache:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for attn in self.layers:
-            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            k = torch.zeros(shape, dtype=dtype, device=device)
-            v = torch.zeros(shape, dtype=dtype, device=device)
-            attn.k_cache, attn.v_cache = k, v
-            self.tensors.append((k, v))
+    def __init__(self, specs: list[BlockSpec], num_blocks: int, block_size: int, device: torch.device) -> None:
+        self.specs, self.num_blocks, self.block_size = list(specs), num_blocks, block_size
+        self.views = [s.allocate(num_blocks, block_size, device) for s in self.specs]
 
     @staticmethod
-    def bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-        item = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * block_size * m.num_kv_heads * m.head_dim * item
-                   for m in model.modules() if isinstance(m, Attention))
+    def bytes_per_block(specs: list[BlockSpec], block_size: int) -> int:
+        return sum(s.bytes_per_block(block_size) for s in specs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block(self.specs, self.block_size)

@@ -6,14 +6,47 @@ For hybrid models a hit also needs a snapshot of the recurrent state at its end 
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
+from typing import Protocol
+
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.state_snapshots import StateSnapshots
-from lamina.engine.request import Sequence
+
+ROOT = bytes(32)  # the parent digest of a sequence's first block
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...], extra: object = None) -> int:
-    # `extra` is whatever else changes a block's KV for the same tokens (a LoRA adapter, later).
-    return hash((parent, tokens, extra))
+def chain_hash(parent: bytes | None, tokens: list[int] | tuple[int, ...], extra: bytes = b"") -> bytes:
+    """SHA-256 of (parent digest, extra, the block's token ids as int32 bytes): a collision-resistant key,
+    so a prompt cannot be crafted to land on another request's cached blocks, and stable across processes.
+
+    `extra` is whatever else changes a block's KV for the same tokens (a LoRA adapter, later); it is
+    length-prefixed so that it cannot run into the token bytes. ~1 us per 16-token block on one CPU core,
+    computed once per block of a sequence (tests/test_prefix_hash.py measures it)."""
+    h = hashlib.sha256(parent if parent is not None else ROOT)
+    h.update(len(extra).to_bytes(4, "little"))
+    h.update(extra)
+    h.update(array("i", tokens).tobytes())
+    return h.digest()
+
+
+class CachedSequence(Protocol):
+    """What the prefix cache reads and writes on a sequence (engine/request.py's Sequence has all of it)."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    state_slot: int | None
+    block_hashes: list[bytes]
+    num_registered_blocks: int
+    claimed: list[bytes]
+    claim_start: int
+    wait_depth: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class PrefixCache:
@@ -25,17 +58,17 @@ class PrefixCache:
         # Block hash -> running sequences that will compute that block. A new request whose next uncached
         # block is being computed right now waits for it instead of computing the same prefix again (a
         # burst of requests sharing a system prompt would otherwise all prefill it at once).
-        self.computing: dict[int, int] = {}
+        self.computing: dict[bytes, int] = {}
 
-    def _hashes(self, seq: Sequence, n_blocks: int) -> list[int]:
+    def _hashes(self, seq: CachedSequence, n_blocks: int) -> list[bytes]:
         bs = self.block_size
         hashes = seq.block_hashes
         while len(hashes) < n_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes[:n_blocks]
 
-    def match(self, seq: Sequence) -> tuple[list[int], int | None]:
+    def match(self, seq: CachedSequence) -> tuple[list[int], int | None]:
         """Cached blocks for the longest usable matching prefix, each now shared by `seq`, and (hybrid models)
         the snapshot to restore at its end. At least one token is always left to compute, since the step must
         produce logits. With snapshots, the prefix ends at the deepest block whose chain hash has both a
@@ -61,7 +94,7 @@ class PrefixCache:
             self.allocator.share(b)
         return found, snap
 
-    def cached_depth(self, seq: Sequence) -> int:
+    def cached_depth(self, seq: CachedSequence) -> int:
         """Leading blocks of a waiting sequence whose KV is cached now (not counting the block it must
         compute). Rescans from where the last call stopped, so a request that waits for many steps costs O(1)
         per call; blocks evicted meanwhile only make this an overestimate, which match() corrects."""
@@ -75,18 +108,18 @@ class PrefixCache:
         seq.wait_depth = d
         return d
 
-    def waits(self, seq: Sequence) -> bool:
+    def waits(self, seq: CachedSequence) -> bool:
         """Whether the first block of `seq` that is not cached yet is being computed by a running sequence."""
         if not self.computing:
             return False
         d = self.cached_depth(seq)
         return d < (seq.num_tokens - 1) // self.block_size and self.computing.get(seq.block_hashes[d], 0) > 0
 
-    def mostly_cached(self, seq: Sequence) -> bool:
+    def mostly_cached(self, seq: CachedSequence) -> bool:
         """At least half of the prompt is cached: admitting it first costs little and gives a first token soon."""
         return 2 * self.cached_depth(seq) * self.block_size >= seq.num_tokens
 
-    def claim(self, seq: Sequence, cached_tokens: int) -> None:
+    def claim(self, seq: CachedSequence, cached_tokens: int) -> None:
         """An admitted sequence announces the full blocks it will compute (past its cached prefix)."""
         full = seq.num_tokens // self.block_size
         seq.claim_start = cached_tokens // self.block_size  # not len(block_table): it already has the chunk
@@ -94,7 +127,7 @@ class PrefixCache:
         for h in seq.claimed:
             self.computing[h] = self.computing.get(h, 0) + 1
 
-    def unclaim(self, seq: Sequence, upto: int | None = None) -> None:
+    def unclaim(self, seq: CachedSequence, upto: int | None = None) -> None:
         """Drops the sequence's claims on blocks before index `upto` (all of them when None)."""
         n = len(seq.claimed) if upto is None else max(0, min(len(seq.claimed), upto - seq.claim_start))
         for h in seq.claimed[:n]:
@@ -111,7 +144,7 @@ class PrefixCache:
         if snap is not None:
             self.snapshots.restore(snap, slot)
 
-    def snapshot(self, seq: Sequence) -> None:
+    def snapshot(self, seq: CachedSequence) -> None:
         """Called right after a step was launched: snapshots the sequence's state if the step ended at a
         snapshot position (the scheduler cuts chunks so that it does)."""
         p = seq.num_computed_tokens
@@ -120,7 +153,7 @@ class PrefixCache:
         h = self._hashes(seq, p // self.block_size)[-1]  # p < num_tokens: every hashed token is known
         self.snapshots.save(seq.state_slot, h, p, lambda ch: self.allocator.lookup(ch) is not None)
 
-    def next_snapshot(self, seq: Sequence) -> int | None:
+    def next_snapshot(self, seq: CachedSequence) -> int | None:
         """Where the sequence's next prefill chunk must end so that its state there can be snapshotted."""
         if self.snapshots is None:
             return None
@@ -130,14 +163,14 @@ class PrefixCache:
     def snapshot_hits(self) -> int:
         return self.snapshots.hits if self.snapshots is not None else 0
 
-    def count(self, seq: Sequence, hit_tokens: int) -> None:
+    def count(self, seq: CachedSequence, hit_tokens: int) -> None:
         """Statistics of an admission that went through (a failed one is retried and counted then)."""
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += hit_tokens
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = hit_tokens
 
-    def register_computed(self, seq: Sequence, known_tokens: int) -> None:
+    def register_computed(self, seq: CachedSequence, known_tokens: int) -> None:
         """Registers the sequence's blocks that became full and computed since the last call; only the
         first known_tokens token ids are final (later ones may still be in flight on the device)."""
         full = min(min(seq.num_computed_tokens, known_tokens) // self.block_size, len(seq.block_table))

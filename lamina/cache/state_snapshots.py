@@ -2,12 +2,13 @@
 
 A linear-attention layer's state after token p cannot be recovered from its state after any later token, so
 KV blocks alone cannot serve a prefix hit for a hybrid model. The pool therefore keeps copies of every state
-layer's (conv, recurrent) state at block-aligned positions, keyed by the prefix-cache chain hash of the KV
-block that ends at that position. A hit restores the copy into the sequence's leased slot and reuses the KV
-blocks up to there.
+layer's declared state tensors (gated delta net: conv window, recurrent state) at block-aligned positions,
+keyed by the prefix-cache chain hash of the KV block that ends at that position. A hit restores the copy
+into the sequence's leased slot and reuses the KV blocks up to there.
 
 Storage is a fixed number of snapshot rows per state layer, allocated once at start-up next to the state
-pool; a full store evicts by a FLOP-aware score (see `_victim`).
+pool from the same specs (cache/specs.py), so whatever tensors a layer declared are snapshotted whole; a
+full store evicts by a FLOP-aware score (see `_victim`).
 
 Where snapshots are taken: every `interval` tokens and at the last full block a re-sent prompt can reuse
 ((num_tokens - 1) // block_size * block_size, since one token is always left to compute). The scheduler
@@ -28,8 +29,7 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
+from lamina.cache.specs import SlotRows
 from lamina.cache.state_pool import StatePool
 
 log = logging.getLogger("lamina")
@@ -44,21 +44,18 @@ class StateSnapshots:
                              f"block_size {block_size}")
         self.pool, self.num_snapshots = pool, num_snapshots
         self.interval, self.block_size = interval, block_size
-        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros((num_snapshots, *conv.shape[1:]), dtype=conv.dtype, device=conv.device),
-             torch.zeros((num_snapshots, *ssm.shape[1:]), dtype=ssm.dtype, device=ssm.device))
-            for conv, ssm in pool.tensors]
+        self.views: list[SlotRows] = [spec.allocate(num_snapshots, view.device)
+                                      for spec, view in zip(pool.specs, pool.views)]
         self._free = list(range(num_snapshots - 1, -1, -1))
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
         self._pos = [0] * num_snapshots  # token position each snapshot was taken at
         self._used = [0] * num_snapshots  # logical time of last save / restore (recency)
         self._clock = 0
         self.hits = 0  # restores (one per admission that reused a snapshot)
         self.saves = 0
         self.evictions = 0
-        bytes_per = sum(c[0].numel() * c.element_size() + s[0].numel() * s.element_size()
-                        for c, s in self.tensors)
+        bytes_per = pool.bytes_per_slot(pool.specs)
         log.info("state snapshots: %d x %.2f MiB, every %d tokens", num_snapshots, bytes_per / 2**20, interval)
 
     @property
@@ -93,10 +90,10 @@ class StateSnapshots:
         self._clock += 1
         self._used[snap] = self._clock
 
-    def lookup(self, chain_hash: int) -> int | None:
+    def lookup(self, chain_hash: bytes) -> int | None:
         return self._by_hash.get(chain_hash)
 
-    def save(self, slot: int, chain_hash: int, p: int, kv_cached) -> None:
+    def save(self, slot: int, chain_hash: bytes, p: int, kv_cached) -> None:
         """Copies the state of `slot` (after token p, chain `chain_hash`) into a snapshot row; restorable at
         once (see the module docstring for why stream order makes that safe). kv_cached(hash) tells whether
         a chain's last KV block is still cached, for eviction."""
@@ -105,22 +102,20 @@ class StateSnapshots:
             self._tick(snap)
             return
         snap = self._free.pop() if self._free else self._victim(kv_cached)
-        for (conv, ssm), (sconv, sssm) in zip(self.pool.tensors, self.tensors):
-            sconv[snap].copy_(conv[slot], non_blocking=True)
-            sssm[snap].copy_(ssm[slot], non_blocking=True)
+        for live, saved in zip(self.pool.views, self.views):
+            saved.copy_row(snap, live, slot)
         self._by_hash[chain_hash], self._hash_of[snap], self._pos[snap] = snap, chain_hash, p
         self._tick(snap)
         self.saves += 1
 
     def restore(self, snap: int, slot: int) -> None:
         """Copies snapshot `snap` into the leased `slot`, before the step that continues from it."""
-        for (conv, ssm), (sconv, sssm) in zip(self.pool.tensors, self.tensors):
-            conv[slot].copy_(sconv[snap], non_blocking=True)
-            ssm[slot].copy_(sssm[snap], non_blocking=True)
+        for live, saved in zip(self.pool.views, self.views):
+            live.copy_row(slot, saved, snap)
         self._tick(snap)
         self.hits += 1
 
-    def forget(self, chain_hashes: list[int]) -> None:
+    def forget(self, chain_hashes: list[bytes]) -> None:
         """Drops snapshots whose state cannot be trusted (their step failed)."""
         for h in chain_hashes:
             snap = self._by_hash.pop(h, None)

@@ -10,25 +10,19 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from lamina.cache.block_allocator import BlockAllocator
-from lamina.cache.kv_cache import KVCache
 from lamina.cache.prefix_cache import PrefixCache
-from lamina.cache.state_pool import StatePool
-from lamina.cache.state_snapshots import StateSnapshots
 from lamina.config import EngineConfig
+from lamina.engine.build import build_decode_graphs, build_pools, load_model_and_tokenizer
 from lamina.engine.detokenizer import Detokenizer, initial_state
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
-from lamina.engine.memory import default_num_snapshots, plan_kv_blocks, resolve_device, resolve_dtype
+from lamina.engine.memory import resolve_device, resolve_dtype
 from lamina.engine.request import RequestGroup, Sequence
 from lamina.engine.runner import ModelRunner
 from lamina.engine.sampler import Sampler, needs_history
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.scheduler import Scheduler, SchedulerOutput
 from lamina.engine.stop import apply_stop_strings, check_token_stop
-from lamina.kernels.dispatch import triton_available
-from lamina.models.loader import load_model, load_tokenizer, read_config, resolve_source
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
 
@@ -54,42 +48,15 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        source = resolve_source(config.model)
-        self.model_config, reader = read_config(source)
-        self.tokenizer = load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer)
-        max_pos = max(self.model_config.max_position_embeddings, config.max_model_len or 0)
-        self.model = load_model(source, self.model_config, reader, self.dtype, self.device, max_pos, progress)
-        del reader
-        # Hybrid models: state slots for every sequence that can run (allocated before the KV pool is sized,
-        # so on CUDA the KV budget sees the memory they take).
-        self.state_pool = StatePool.for_model(self.model, config.max_num_seqs, self.dtype, self.device)
+        self.model_config, self.tokenizer, self.model = load_model_and_tokenizer(config, self.dtype, self.device,
+                                                                                 progress)
+        # KV blocks, state slots and snapshots, sized from the state the layers declare and bound into them.
+        pools = build_pools(config, self.model, self.model_config, self.dtype, self.device)
+        self.state_layout, self.kv_cache = pools.layout, pools.kv_cache
+        self.state_pool, self.snapshots = pools.state_pool, pools.snapshots
+        self.max_model_len = pools.max_model_len
         bs = config.block_size
-        # Their prefix caching also needs snapshots of that state (allocated here for the same reason).
-        self.snapshots = None
-        if config.enable_prefix_caching and self.state_pool is not None:
-            n_snap = config.num_state_snapshots
-            if n_snap is None:
-                total = torch.cuda.get_device_properties(self.device).total_memory \
-                    if self.device.type == "cuda" else None
-                n_snap = default_num_snapshots(config.max_num_seqs,
-                                               StatePool.bytes_per_slot(self.model, self.dtype), total)
-            self.snapshots = StateSnapshots(self.state_pool, n_snap, config.state_snapshot_interval, bs)
-        peak = 0
-        if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
-            from lamina.engine.profile import profile_peak_bytes
-
-            peak = profile_peak_bytes(self.model, config.max_num_batched_tokens, config.max_num_seqs, bs,
-                                      self.dtype, self.device)
-        num_blocks = plan_kv_blocks(config, KVCache.bytes_per_block(self.model, bs, self.dtype), self.device, peak)
-        self.kv_cache = KVCache(self.model, num_blocks, bs, self.dtype, self.device)
-        pool_tokens = num_blocks * bs
-        if config.max_model_len is not None and config.max_model_len > pool_tokens:
-            raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV pool ({pool_tokens} tokens)")
-        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, pool_tokens)
-        log.warning("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
-                    num_blocks, bs, pool_tokens, num_blocks * KVCache.bytes_per_block(self.model, bs, self.dtype)
-                    / 2**30, peak / 2**30)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(self.kv_cache.num_blocks)
         self.prefix_cache = None
         if config.enable_prefix_caching:
             # Recurrent state cannot be rolled back to a prefix: hybrid models hit only where a snapshot is.
@@ -98,15 +65,7 @@ class LLMEngine:
                                    self.state_pool.allocator if self.state_pool is not None else None,
                                    self.prefix_cache)
         self.runner = ModelRunner(self.model, bs, self.device)
-        # Decode graphs need kernels that read everything from the device: the Triton ones (the torch
-        # references of the state layers build index tensors from host lists).
-        if self.device.type == "cuda" and not config.enforce_eager and (self.state_pool is None or triton_available()):
-            from lamina.engine.cuda_graph import CudaGraphRunner
-
-            pad = self.state_pool.padding_slot if self.state_pool is not None else None
-            self.runner.graphs = CudaGraphRunner(self.model, config.max_num_seqs, self.max_model_len, bs, self.device,
-                                                 pad)
-            self.runner.graphs.capture()
+        self.runner.graphs = build_decode_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -328,9 +287,3 @@ class LLMEngine:
             metrics["first_token_time"] = first.first_token_time
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
                              first.prompt_logprobs, first.num_cached_tokens, group.error, metrics)
-
-
-def _tokenizer_from(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

@@ -4,19 +4,24 @@ from __future__ import annotations
 import torch
 
 from lamina.cache.kv_cache import KVCache
+from lamina.cache.state_layout import StateLayout
 from lamina.engine.sampler import exponential_noise
 from lamina.kernels.attention import AttentionMetadata
 
 
 @torch.inference_mode()
-def profile_peak_bytes(model: torch.nn.Module, max_tokens: int, max_rows: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device) -> int:
-    """Peak bytes above the weights for one prefill of max_tokens tokens that samples max_rows rows."""
+def profile_peak_bytes(model: torch.nn.Module, layout: StateLayout, max_tokens: int, max_rows: int,
+                       block_size: int, device: torch.device) -> int:
+    """Peak bytes above the weights for one prefill of max_tokens tokens that samples max_rows rows.
+
+    The KV layers are bound to scratch blocks for the pass, then to empty views (zero blocks), so the scratch
+    memory is free again when the caller sizes the real pool and binds it through the same StateLayout."""
     n_blocks = (max_tokens + block_size - 1) // block_size
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
-    kv = KVCache(model, n_blocks, block_size, dtype, device)
+    scratch = KVCache(layout.kv_specs, n_blocks, block_size, device)
+    layout.bind_kv(scratch.views)
     kv_bytes = torch.cuda.memory_allocated(device) - base
     torch.cuda.reset_peak_memory_stats(device)
     t = max_tokens
@@ -35,8 +40,7 @@ def profile_peak_bytes(model: torch.nn.Module, max_tokens: int, max_rows: int, b
     del probs, logits
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base - kv_bytes
-    for attn in kv.layers:
-        attn.k_cache = attn.v_cache = None
-    del kv
+    layout.bind_kv(KVCache(layout.kv_specs, 0, block_size, device).views)
+    del scratch
     torch.cuda.empty_cache()
     return peak

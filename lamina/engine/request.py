@@ -37,11 +37,11 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None  # state-pool slot (hybrid models), leased while admitted
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain hashes of full blocks
     num_registered_blocks: int = 0  # blocks of block_table already offered to the prefix cache
     # Prefix-cache blocks this running sequence is about to compute (chain hashes from block claim_start on),
     # and, while waiting, the block another sequence is computing for it (see PrefixCache.waits).
-    claimed: list[int] = field(default_factory=list)
+    claimed: list[bytes] = field(default_factory=list)
     claim_start: int = 0
     wait_depth: int = 0
     times_passed_over: int = 0  # steps in which mostly-cached requests were admitted ahead of this one

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.dispatch import use_triton
+from lamina.kernels.gdn_gates import gdn_gates
 from lamina.kernels.slot_states import read_states, write_states
 
 CHUNK_SIZE = 64
@@ -128,14 +129,6 @@ def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         out[rows] = o[0]
         write_states(ssm_states, [i], state_slots, state)
     return out
-
-
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (log decay g, rate beta) from the layer's raw projections a, b: [T, Hv].
-
-    g in fp32: in fp16/bf16 exp(A_log) * softplus could round the decay to exactly 0 or overflow."""
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
 def host_has_initial_state(meta) -> list[bool]:

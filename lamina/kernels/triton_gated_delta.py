@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lamina.kernels.gated_delta import gdn_gates
+from lamina.kernels.gdn_gates import gdn_gates
 from lamina.kernels.triton_gdn_chunk import chunk_gated_delta_varlen_triton
 from lamina.kernels.triton_gdn_decode import gated_delta_decode_triton
 

@@ -18,9 +18,9 @@ class LayerSpec:
     sliding_window: int | None = None
 
 
-# Mixers that keep K/V in the paged KV pool, and mixers that keep per-sequence state in the state pool.
+# Mixers that keep K/V in the paged KV pool (what each layer keeps is its own state_spec(); this is for
+# FLOP estimates from a config alone).
 KV_MIXERS = ("attention", "gated_attention")
-STATE_MIXERS = ("gated_delta_net",)
 
 
 @dataclass
@@ -78,15 +78,6 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-    def attention_layer_ids(self) -> list[int]:
-        return [i for i, s in enumerate(self.layers) if s.mixer in KV_MIXERS]
-
-    def state_layer_ids(self) -> list[int]:
-        return [i for i, s in enumerate(self.layers) if s.mixer in STATE_MIXERS]
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * len(self.attention_layer_ids()) * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

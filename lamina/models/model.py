@@ -4,18 +4,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lamina.cache.specs import Stateful
 from lamina.kernels.attention import AttentionMetadata
-from lamina.kernels.rope import rope_cos_sin_cache, rope_inv_freq
 from lamina.models.config import ModelConfig
 from lamina.models.layers.decoder import DecoderLayer
 from lamina.models.layers.norm import RMSNorm
+from lamina.models.layers.rope_table import RopeTable
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
+        # One RoPE table for the whole model, handed to the layers that rotate (filled after loading).
+        self.rope = RopeTable(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, self.rope) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
@@ -34,12 +37,12 @@ class CausalLM(nn.Module):
 
     def init_rope(self, max_positions: int) -> None:
         """Builds the shared cos/sin table (fp32, on the weights' device) once, after loading."""
-        cfg = self.config
-        inv_freq, factor = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        cache = rope_cos_sin_cache(inv_freq, max_positions, factor).to(self.lm_head.weight.device)
-        for layer in self.model.layers:
-            if hasattr(layer.self_attn, "cos_sin_cache"):
-                layer.self_attn.cos_sin_cache = cache
+        self.model.rope.build(max_positions, self.lm_head.weight.device)
+
+    def state_layers(self) -> list[Stateful]:
+        """The mixers, in layer order: each declares its per-sequence state (state_spec, None for none) and
+        takes the views the engine allocates for it (bind_state); see cache/specs.py."""
+        return [layer.self_attn for layer in self.model.layers]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:

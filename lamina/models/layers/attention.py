@@ -4,30 +4,62 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lamina.cache.specs import FullAttentionSpec, KVBlocks, SlidingWindowSpec
 from lamina.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from lamina.kernels.rope import apply_rope
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import MergedLinear
 from lamina.models.layers.norm import RMSNorm
+from lamina.models.layers.rope_table import RopeTable
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+class AttentionBase(nn.Module):
+    """What the attention mixers over the paged KV pool share: head geometry, optional q/k norms, the model's
+    RoPE table, their KV state spec and the KV view the engine binds. Subclasses add projections + forward."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.scale = self.head_dim**-0.5
         self.sliding_window = spec.sliding_window
-        # Bound by the KV pool at start-up (views into its one allocation; stable for CUDA graphs).
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-        self.cos_sin_cache: torch.Tensor | None = None  # shared by all layers, set by the model
+        self.rope = rope  # shared by all layers; filled by the model after loading
+        self._kv: KVBlocks | None = None  # bound by the engine (views into the KV pool; stable for CUDA graphs)
+
+    def state_spec(self, dtype: torch.dtype) -> FullAttentionSpec:
+        if self.sliding_window:
+            return SlidingWindowSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
+        return FullAttentionSpec(self.num_kv_heads, self.head_dim, dtype)
+
+    def bind_state(self, view: KVBlocks) -> None:
+        self._kv = view
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        if self._kv is None:
+            raise RuntimeError("no KV view bound (the engine binds one before the first forward)")
+        return self._kv.k
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        if self._kv is None:
+            raise RuntimeError("no KV view bound (the engine binds one before the first forward)")
+        return self._kv.v
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        return self.rope.table
+
+
+class Attention(AttentionBase):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> None:
+        super().__init__(cfg, spec, rope)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]

@@ -15,13 +15,15 @@ from lamina.models.layers.gated_delta_net import GatedDeltaNet
 from lamina.models.layers.mlp import GatedMLP
 from lamina.models.layers.moe import SparseMoE
 from lamina.models.layers.norm import RMSNorm
+from lamina.models.layers.rope_table import RopeTable
 
 
-def build_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+def build_mixer(cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> nn.Module:
+    """Every mixer implements state_spec()/bind_state() (cache/specs.py); rope: the model's shared table."""
     if spec.mixer == "attention":
-        return Attention(cfg, spec)
+        return Attention(cfg, spec, rope)
     if spec.mixer == "gated_attention":
-        return GatedAttention(cfg, spec)
+        return GatedAttention(cfg, spec, rope)
     if spec.mixer == "gated_delta_net":
         # Held as `self_attn` like every mixer (HF calls it linear_attn; the family maps the names).
         return GatedDeltaNet(cfg, spec)
@@ -37,10 +39,10 @@ def build_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.self_attn = build_mixer(cfg, spec)
+        self.self_attn = build_mixer(cfg, spec, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = build_ffn(cfg, spec)
 

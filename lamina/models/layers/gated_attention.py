@@ -13,15 +13,16 @@ from torch import nn
 from lamina.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from lamina.kernels.rope import apply_rope
 from lamina.models.config import LayerSpec, ModelConfig
-from lamina.models.layers.attention import Attention
+from lamina.models.layers.attention import AttentionBase
 from lamina.models.layers.linear import MergedLinear
+from lamina.models.layers.rope_table import RopeTable
 
 
-class GatedAttention(Attention):
-    """An Attention (so the KV pool binds it like any other) with a per-head output gate."""
+class GatedAttention(AttentionBase):
+    """Paged attention (the same KV spec as plain attention) with a per-head output gate."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> None:
+        super().__init__(cfg, spec, rope)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * q, "k": kv, "v": kv}, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.attention_bias)  # HF biases o_proj here too

@@ -1,8 +1,10 @@
 """Gated DeltaNet mixer (Qwen3-Next, Qwen3.5): input projections, causal conv1d, gated delta rule, gated norm.
 
-Its per-sequence state (the conv window and the [Hv, dk, dv] recurrent state) lives in the state pool:
-the pool binds conv_state [slots, C, K-1] and ssm_state [slots, Hv, dk, dv] here at start-up, and each step
-addresses them through meta.state_slots. A sequence whose chunk starts at position 0 starts from zeros.
+Its per-sequence state is declared by state_spec(): the conv window "conv" [C, K-1] in the model dtype (it
+holds raw inputs) and the recurrent state "ssm" [Hv, dk, dv] in fp32 whatever the model dtype (it integrates
+over the whole sequence; HF's and fla's kernels carry it in fp32 too). The engine allocates state-pool rows of
+both and binds them here (bind_state); each step addresses them through meta.state_slots. A sequence whose
+chunk starts at position 0 starts from zeros.
 
 Parameter names: one merged `in_proj` with shards qkv | z | b | a. Qwen3.5 checkpoints hold exactly those
 four (in_proj_qkv/_z/_b/_a); Qwen3-Next's in_proj_qkvz/in_proj_ba interleave them per key-head group and
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lamina.cache.specs import RecurrentStateSpec, SlotRows, StateTensor
 from lamina.kernels.attention import AttentionMetadata
 from lamina.kernels.conv1d import causal_conv1d_varlen
 from lamina.kernels.gated_delta import gated_delta_rule_varlen
@@ -20,6 +23,7 @@ from lamina.kernels.norm_gated import rms_norm_gated
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import MergedLinear
 
+RECURRENT_DTYPE = torch.float32
 
 class GatedRMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -53,13 +57,23 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported gated delta net activation {cfg.hidden_act!r}")
-        # Bound by the state pool at start-up (views into its allocations; stable for CUDA graphs).
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
+        self._state: SlotRows | None = None  # bound by the engine (state-pool rows; stable for CUDA graphs)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per-slot shapes of (conv state, recurrent state)."""
-        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+    def state_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
+        return RecurrentStateSpec((
+            StateTensor("conv", (self.conv_dim, self.conv_kernel - 1), dtype),
+            StateTensor("ssm", (self.num_v_heads, self.head_k_dim, self.head_v_dim), RECURRENT_DTYPE)))
+
+    def bind_state(self, view: SlotRows) -> None:
+        self._state = view
+
+    @property
+    def conv_state(self) -> torch.Tensor | None:  # [slots, C, K-1]; None unbound: zero state, nothing kept
+        return self._state["conv"] if self._state is not None else None
+
+    @property
+    def ssm_state(self) -> torch.Tensor | None:  # [slots, Hv, dk, dv] fp32
+        return self._state["ssm"] if self._state is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]

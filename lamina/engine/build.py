@@ -1,0 +1,126 @@
+"""An LLMEngine's start-up in named steps: load the model, lay out the per-sequence state its layers declare,
+allocate the pools, capture decode graphs.
+
+Order matters on CUDA: the state pool and its snapshots are allocated first, then a worst-case step is
+profiled, and only then is the KV pool sized, so that its budget sees everything else that lives on the device.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lamina.cache.kv_cache import KVCache
+from lamina.cache.state_layout import StateLayout
+from lamina.cache.state_pool import StatePool
+from lamina.cache.state_snapshots import StateSnapshots
+from lamina.config import EngineConfig
+from lamina.engine.memory import default_num_snapshots, plan_kv_blocks
+from lamina.kernels.dispatch import triton_available
+from lamina.models.config import ModelConfig
+from lamina.models.loader import load_model, load_tokenizer, read_config, resolve_source
+
+log = logging.getLogger("lamina")
+
+
+def load_model_and_tokenizer(config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                             progress: bool) -> tuple[ModelConfig, Any, torch.nn.Module]:
+    """(model config, tokenizer or None, the loaded model with its RoPE table built)."""
+    source = resolve_source(config.model)
+    model_config, reader = read_config(source)
+    tokenizer = load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer)
+    max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
+    model = load_model(source, model_config, reader, dtype, device, max_pos, progress)
+    return model_config, tokenizer, model
+
+
+@dataclass
+class Pools:
+    """Everything allocated for per-sequence state, bound into the model's layers."""
+
+    layout: StateLayout
+    kv_cache: KVCache
+    state_pool: StatePool | None  # models whose layers declare recurrent state
+    snapshots: StateSnapshots | None  # those, with prefix caching
+    max_model_len: int
+
+
+def build_state_pool(layout: StateLayout, config: EngineConfig, device: torch.device) -> StatePool | None:
+    """State slots for every sequence that can run, bound into the layers; None when no layer needs one."""
+    if not layout.has_slots:
+        return None
+    pool = StatePool(layout.slot_specs, config.max_num_seqs, device)
+    layout.bind_slots(pool.views)
+    return pool
+
+
+def build_snapshots(layout: StateLayout, pool: StatePool | None, config: EngineConfig,
+                    device: torch.device) -> StateSnapshots | None:
+    """Recurrent-state snapshots for prefix caching of a hybrid model (None otherwise)."""
+    if not config.enable_prefix_caching or pool is None:
+        return None
+    n = config.num_state_snapshots
+    if n is None:
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        n = default_num_snapshots(config.max_num_seqs, layout.bytes_per_slot(), total)
+    return StateSnapshots(pool, n, config.state_snapshot_interval, config.block_size)
+
+
+def step_peak_bytes(model: torch.nn.Module, layout: StateLayout, config: EngineConfig, device: torch.device) -> int:
+    """Activation peak of a worst-case step: profiled on CUDA when the KV pool is sized from free memory."""
+    if device.type != "cuda" or config.num_kv_blocks is not None or config.kv_cache_memory_gb is not None:
+        return 0
+    from lamina.engine.profile import profile_peak_bytes
+
+    return profile_peak_bytes(model, layout, config.max_num_batched_tokens, config.max_num_seqs, config.block_size,
+                              device)
+
+
+def build_kv_cache(layout: StateLayout, config: EngineConfig, device: torch.device, peak: int) -> KVCache:
+    """The KV pool, sized from the layers' specs and the memory budget, bound into the layers."""
+    num_blocks = plan_kv_blocks(config, layout.kv_bytes_per_block(config.block_size), device, peak)
+    kv = KVCache(layout.kv_specs, num_blocks, config.block_size, device)
+    layout.bind_kv(kv.views)
+    return kv
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, pool_tokens: int) -> int:
+    if config.max_model_len is not None and config.max_model_len > pool_tokens:
+        raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV pool ({pool_tokens} tokens)")
+    return config.max_model_len or min(model_config.max_position_embeddings, pool_tokens)
+
+
+def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
+                device: torch.device) -> Pools:
+    layout = StateLayout.collect(model.state_layers(), dtype)
+    state_pool = build_state_pool(layout, config, device)
+    snapshots = build_snapshots(layout, state_pool, config, device)
+    peak = step_peak_bytes(model, layout, config, device)
+    kv = build_kv_cache(layout, config, device, peak)
+    pool_tokens = kv.num_blocks * config.block_size
+    max_model_len = resolve_max_model_len(config, model_config, pool_tokens)
+    log.warning("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
+                kv.num_blocks, config.block_size, pool_tokens, kv.nbytes / 2**30, peak / 2**30)
+    return Pools(layout, kv, state_pool, snapshots, max_model_len)
+
+
+def build_decode_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: int,
+                        state_pool: StatePool | None, device: torch.device):
+    """Captured decode CUDA graphs, or None (CPU, enforce_eager, or state layers without the Triton kernels:
+    the torch references build index tensors from host lists, which a graph cannot replay)."""
+    if device.type != "cuda" or config.enforce_eager or (state_pool is not None and not triton_available()):
+        return None
+    from lamina.engine.cuda_graph import CudaGraphRunner
+
+    pad = state_pool.padding_slot if state_pool is not None else None
+    graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad)
+    graphs.capture()
+    return graphs
+
+
+def _tokenizer_from(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
