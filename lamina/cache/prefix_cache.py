@@ -21,8 +21,8 @@ def chain_hash(parent: bytes | None, tokens: list[int] | tuple[int, ...], extra:
     so a prompt cannot be crafted to land on another request's cached blocks, and stable across processes.
 
     `extra` is whatever else changes a block's KV for the same tokens (a LoRA adapter, later); it is
-    length-prefixed so that it cannot run into the token bytes. ~1 us per 16-token block on one CPU core,
-    computed once per block of a sequence (tests/test_prefix_hash.py measures it)."""
+    length-prefixed so that it cannot run into the token bytes. ~1.6 us per 16-token block on one CPU core
+    (Python hash() of the tuple: ~0.2 us), computed once per block of a sequence."""
     h = hashlib.sha256(parent if parent is not None else ROOT)
     h.update(len(extra).to_bytes(4, "little"))
     h.update(extra)
