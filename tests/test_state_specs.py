@@ -210,4 +210,36 @@ def test_cache_and_engine_find_no_layer_classes():
                 names = {n.strip().split(".")[-1] for n in m.group(1).split(",")}
                 assert not names & layer_classes, f"{path.name}: {m.group(0)}"
     for path in (LAMINA / "cache").glob("*.py"):
-        assert not re.search(r"^\s*(from|import) lamina\.(models|engine)", path.read_text(), re.M), path.name
+        assert not re.search(r"^\s*(from|import) lamina\.(models|engine)", path.read_text(), re.MULTILINE), path.name
+
+
+def test_profiling_binds_scratch_kv_then_empty_views(monkeypatch):
+    """engine/profile.py's bind flow, on the CPU with the CUDA memory counters stubbed out."""
+    from lamina import LLM, SamplingParams
+    from lamina.engine.profile import profile_peak_bytes
+
+    llm = LLM(model="random:tiny-qwen3-next", dtype="float32", device="cpu", block_size=4, num_kv_blocks=16,
+              max_num_seqs=2, max_model_len=64, progress=False)
+    eng = llm.engine
+    layout = eng.state_layout
+    prompt = {"prompt_token_ids": list(range(100, 120))}
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    seen = []
+    real = eng.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append([m.k_cache.shape[0] for m in layout.kv_layers])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eng.model, "forward", spy)
+    profile_peak_bytes(eng.model, layout, 30, 2, 4, torch.device("cpu"))
+    assert seen == [[8] * len(layout.kv_layers)]  # scratch: ceil(30 / 4) blocks during the pass
+    assert all(m.k_cache.shape[0] == 0 for m in layout.kv_layers)  # none kept afterwards
+    monkeypatch.setattr(eng.model, "forward", real)
+    layout.bind_kv(eng.kv_cache.views)  # what the engine does next: the real pool, through the same call
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == before

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lamina.cache.specs import BLOCK_SPECS, BlockSpec, RecurrentStateSpec, SlotSpec, Stateful
+from lamina.cache.specs import (
+    BLOCK_SPECS,
+    BlockSpec,
+    RecurrentStateSpec,
+    SlotSpec,
+    Stateful,
+)
 
 
 @dataclass
