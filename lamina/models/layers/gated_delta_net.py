@@ -23,7 +23,9 @@ from lamina.kernels.norm_gated import rms_norm_gated
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import MergedLinear
 
+# The recurrent state integrates over the whole sequence: fp32 whatever the model dtype (as HF's and fla's).
 RECURRENT_DTYPE = torch.float32
+
 
 class GatedRMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
