@@ -162,3 +162,22 @@ def test_failure_keeps_lamina_figures(fake_vllm, tmp_path, monkeypatch, capsys):
     assert "CUDA out of memory (fake) second line" in r["vllm"]["error"]
     err = [line for line in capsys.readouterr().err.splitlines() if "vLLM baseline failed" in line]
     assert len(err) == 1
+
+
+def test_save_random_checkpoint_serves_in_lamina(tmp_path, smol_tokenizer):
+    """`lamina bench save-random`: the checkpoint both servers load, with the tokenizer files copied in."""
+    from lamina import LLM, SamplingParams
+
+    tok = tmp_path / "tok"
+    smol_tokenizer.save_pretrained(tok)
+    out = tmp_path / "ckpt"
+    assert main(["bench", "save-random", "random:tiny-llama", str(out), "--tokenizer", str(tok),
+                 "--dtype", "float32"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["hidden_size"] == 256 and (out / "tokenizer.json").is_file()
+    llm = LLM(model=str(out), device="cpu", kv_cache_memory_gb=0.02)
+    res = llm.generate([{"prompt_token_ids": [1000, 1001, 1002]}],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(res[0].outputs[0].token_ids) == 3
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        main(["bench", "save-random", "tiny-llama", str(tmp_path / "c2"), "--tokenizer", str(tmp_path / "none")])

@@ -41,16 +41,15 @@ def save_random_checkpoint(preset: str, out_dir: str | Path, dtype: str = "bfloa
     import transformers
 
     out = Path(out_dir)
+    copied = [] if tokenizer_dir is None else [f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).is_file()]
+    if tokenizer_dir is not None and not copied:
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tokenizer_dir}")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(random_hf_config(preset, dtype),
                                                           dtype=getattr(torch, dtype))
     model.save_pretrained(out)
-    if tokenizer_dir is not None:
-        copied = [f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).is_file()]
-        if not copied:
-            raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tokenizer_dir}")
-        for f in copied:
-            shutil.copy(Path(tokenizer_dir) / f, out / f)
+    for f in copied:
+        shutil.copy(Path(tokenizer_dir) / f, out / f)
     return out
 
 

@@ -48,6 +48,7 @@ def add_bench_parser(sub) -> None:
     add_vllm_args(lat)
     lat.set_defaults(func=cmd_latency)
 
+    from lamina.bench.checkpoint import add_save_random_parser
     from lamina.bench.kernels import add_kernel_bench_parser
     from lamina.bench.prefix import add_prefix_bench_parser
     from lamina.bench.serve import add_serve_bench_parser
@@ -55,6 +56,7 @@ def add_bench_parser(sub) -> None:
     add_prefix_bench_parser(bsub)
     add_kernel_bench_parser(bsub)
     add_serve_bench_parser(bsub)
+    add_save_random_parser(bsub)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
