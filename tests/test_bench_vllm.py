@@ -96,6 +96,15 @@ def test_protocol_rounds(fake_vllm, tmp_path):
     assert json.loads(fake_vllm.read_text())["kwargs"] == {"model": str(tmp_path)}
 
 
+def test_result_does_not_wait_for_a_lingering_process(fake_vllm, tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("FAKE_VLLM_LINGER", "6")
+    start = time.monotonic()
+    payload = vllm_baseline.run_vllm({"model": str(tmp_path)}, [], tmp_path)
+    assert payload["rounds"] == [] and time.monotonic() - start < 4
+
+
 def test_summaries():
     payload = {"vllm_version": "v", "rounds": [
         {"elapsed_s": 9.0, "ttft_s": [9.0], "output_tokens": [5], "cached_tokens": [0]},  # warm-up: ignored

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,15 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def run_vllm(engine: dict[str, Any], rounds: list[dict], workdir: str | Path, timeout: float | None = None) -> dict:
+def _echo(stream) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+
+
+def run_vllm(engine: dict[str, Any], rounds: list[dict], workdir: str | Path, exit_timeout: float = 120.0) -> dict:
     """Runs the rounds on one vLLM engine in a child process; returns its result payload. The child's own
-    output goes to stderr; VLLMBaselineError carries its one-line error."""
+    output goes to stderr; VLLMBaselineError carries its one-line error. After the result line the child
+    has exit_timeout seconds to shut down, then it is killed."""
     job = Path(workdir) / "job.json"
     job.write_text(json.dumps({"engine": engine, "rounds": rounds}))
     code = "import sys; from lamina.bench.vllm_runner import main; sys.exit(main(sys.argv[1:]))"
@@ -102,9 +109,18 @@ def run_vllm(engine: dict[str, Any], rounds: list[dict], workdir: str | Path, ti
     for line in proc.stdout:
         if line.startswith(RESULT_MARKER + " "):
             payload = json.loads(line[len(RESULT_MARKER) + 1:])
-        else:
-            sys.stderr.write(line)
-    rc = proc.wait(timeout)
+            break
+        sys.stderr.write(line)
+    # After the result, the rest (shutdown logs) is echoed on the side: a process vLLM started may keep the
+    # pipe open a while after the child is gone, and the result must not wait for it.
+    rest = threading.Thread(target=_echo, args=(proc.stdout,), daemon=True)
+    rest.start()
+    try:
+        rc = proc.wait(None if payload is None else exit_timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    rest.join(0.5)
     if payload is None:
         raise VLLMBaselineError(f"the vLLM child exited with status {rc} and no result line")
     if "error" in payload:

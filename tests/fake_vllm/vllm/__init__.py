@@ -3,11 +3,15 @@ deterministic outputs and no model. Every token is id 7; each engine step emits 
 prompt's cached tokens are the longest block-aligned (16) prefix it shares with a prompt seen before.
 
 Test switches (environment): FAKE_VLLM_LOG=path appends the LLM keyword arguments and the model's config.json
-as one JSON line per engine; FAKE_VLLM_FAIL=1 makes building the engine raise a two-line error."""
+as one JSON line per engine; FAKE_VLLM_FAIL=1 makes building the engine raise a two-line error;
+FAKE_VLLM_LINGER=s leaves a process behind that holds stdout open for s seconds (as an engine-core process
+being shut down can)."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +91,8 @@ class LLM:
             cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
             with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
                 f.write(json.dumps({"kwargs": kwargs, "config": cfg}) + "\n")
+        if os.environ.get("FAKE_VLLM_LINGER"):
+            subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({os.environ['FAKE_VLLM_LINGER']})"])
         self.llm_engine = _Engine()
 
     def generate(self, prompts: list[dict], params: list[SamplingParams], use_tqdm: bool = True) -> list[RequestOutput]:
