@@ -55,3 +55,11 @@ def test_several_clients_against_no_server_fail_cleanly():
     target = Target(f"http://127.0.0.1:{free_port()}", "m", "completions", None, True, 0.0, {})
     summary = run_multi(target, make_requests(4, 8, 2, 0.0, "ids", 32000, 0), 4, float("inf"), 0, 5.0, 2)
     assert summary.completed == 0 and summary.failed == 4 and summary.errors
+
+
+def test_a_failing_client_process_is_reported():
+    """A client that fails before the start (here: a body it cannot encode, in its warm-up) breaks the
+    barrier; the run fails with that client's message instead of waiting for it."""
+    target = Target(f"http://127.0.0.1:{free_port()}", "m", "completions", None, True, 0.0, {"x": {1, 2}})
+    with pytest.raises(RuntimeError, match="client process .* failed: TypeError"):
+        run_multi(target, make_requests(4, 8, 2, 0.0, "ids", 32000, 0), 4, float("inf"), 0, 5.0, 2, warmups=2)

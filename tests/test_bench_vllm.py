@@ -55,11 +55,14 @@ def test_child_reports_not_importable(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_gguf_is_refused(fake_vllm, tmp_path):
+def test_gguf_and_bad_vllm_args_are_refused(fake_vllm, tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     with pytest.raises(SystemExit, match="not the GGUF model"):
-        vllm_baseline.require_vllm(str(gguf))
+        vllm_baseline.require_vllm(argparse.Namespace(model=str(gguf), vllm_args="{}"))
+    for bad in ("{nope", "[1]"):
+        with pytest.raises(SystemExit, match="--vllm-args"):
+            vllm_baseline.require_vllm(argparse.Namespace(model="random:tiny-llama", vllm_args=bad))
 
 
 def test_engine_args_random_preset_and_overrides(tmp_path):

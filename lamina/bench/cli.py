@@ -67,7 +67,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from lamina.llm import LLM
 
     if args.baseline == "vllm":
-        vllm_baseline.require_vllm(args.model)
+        vllm_baseline.require_vllm(args)
     llm = LLM(**engine_kwargs(args))
     eng = llm.engine
     wl = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
@@ -119,7 +119,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from lamina.llm import LLM
 
     if args.baseline == "vllm":
-        vllm_baseline.require_vllm(args.model)
+        vllm_baseline.require_vllm(args)
     llm = LLM(**engine_kwargs(args))
     eng = llm.engine
     prompt = make_workload(1, (args.input_len,) * 2, (args.output_len,) * 2, eng.model_config.vocab_size).prompts[0]

@@ -95,7 +95,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     from lamina.cli import engine_kwargs
 
     if args.baseline == "vllm":
-        vllm_baseline.require_vllm(args.model)
+        vllm_baseline.require_vllm(args)
     kwargs = engine_kwargs(args)
     on, off = _run(kwargs, args, True), _run(kwargs, args, False)
     result = {"command": "prefix", "model": args.model, "groups": args.groups, "per_group": args.per_group,

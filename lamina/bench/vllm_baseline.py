@@ -35,11 +35,18 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                    help="--baseline vllm: JSON of vllm.LLM keyword arguments, over the ones lamina's flags give")
 
 
-def require_vllm(model: str) -> None:
-    """Fails at once, with one line, when the vLLM baseline cannot run: vLLM missing or a model it cannot
-    take. Called before lamina's own run, so no minutes are spent first."""
+def require_vllm(args: argparse.Namespace) -> None:
+    """Fails at once, with one line, when the vLLM baseline cannot run: vLLM missing, a model it cannot take,
+    or --vllm-args that are not a JSON object. Called before lamina's own run, so no minutes are spent first."""
     from lamina.models.loader import resolve_source
 
+    model = args.model
+    try:
+        extra = json.loads(getattr(args, "vllm_args", "{}") or "{}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"lamina bench: --vllm-args is not JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit("lamina bench: --vllm-args must be a JSON object of vllm.LLM keyword arguments")
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit(f"lamina bench: --baseline vllm needs vLLM, which {sys.executable} cannot import "
                          "(install vllm, or put it on PYTHONPATH)")
