@@ -194,6 +194,9 @@ def _bench(args: argparse.Namespace, base_url: str) -> int:
         summary.server_counters = {k: after[k] - before.get(k, 0.0) for k in after
                                    if any(c in k for c in _COUNTERS)}
         print(format_summary(summary), flush=True)
+        if summary.client_cpu_frac and max(summary.client_cpu_frac) > 0.8:
+            print(f"warning: a client process was busy {max(summary.client_cpu_frac):.0%} of the run, so these "
+                  "figures may be the client's: try more --num-clients", flush=True)
         runs.append(summary)
     gauges = {k: v for k, v in server_metrics(base).items() if any(g in k for g in _GAUGES)}
     if gauges:
