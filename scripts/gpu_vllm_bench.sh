@@ -59,16 +59,30 @@ if [ "$what" = serve ]; then
   LIMITS="--max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --no-enable-prefix-caching"
   LOAD="--num-prompts 512 --input-len 512 --output-len 256 --max-concurrency 64,256 --vocab-size 151936
         --num-warmups 8 --num-clients 4 --disable-tqdm"
-  wait_up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 0.5; done; return 1; }
+  wait_up() {  # up to 5 minutes for /health to answer 200
+    python3 - "$1" <<'PY'
+import sys, time, httpx
+for _ in range(600):
+    try:
+        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+PY
+  }
   t0=$SECONDS
   vllm serve $CK --port 8010 $LIMITS > "$OUT/vllm_serve.log" 2>&1 & VPID=$!
-  wait_up 8010 && echo "vllm serve healthy after $((SECONDS - t0)) s" | tee "$OUT/vllm_startup.txt"
+  wait_up 8010 && echo "vllm serve healthy after $((SECONDS - t0)) s" | tee "$OUT/vllm_startup.txt" \
+    || { echo "vllm serve did not come up: $OUT/vllm_serve.log"; tail -20 "$OUT/vllm_serve.log"; }
   $B serve --base-url http://127.0.0.1:8010 $LOAD --result-file "$OUT/serve_vllm.json" 2>&1 \
     | grep -E "concurrency|Output token|TPOT|TTFT|Client|Failed"
-  kill $VPID; wait $VPID 2>/dev/null
+  kill $VPID; wait $VPID 2>/dev/null; sleep 5   # its engine-core process gives the GPU memory back
   t0=$SECONDS
   python3 -m lamina.cli serve $CK --port 8011 $LIMITS > "$OUT/lamina_serve.log" 2>&1 & LPID=$!
-  wait_up 8011 && echo "lamina serve healthy after $((SECONDS - t0)) s" | tee "$OUT/lamina_startup.txt"
+  wait_up 8011 && echo "lamina serve healthy after $((SECONDS - t0)) s" | tee "$OUT/lamina_startup.txt" \
+    || { echo "lamina serve did not come up: $OUT/lamina_serve.log"; tail -20 "$OUT/lamina_serve.log"; }
   $B serve --base-url http://127.0.0.1:8011 $LOAD --result-file "$OUT/serve_lamina.json" 2>&1 \
     | grep -E "concurrency|Output token|TPOT|TTFT|Client|Failed"
   kill $LPID; wait $LPID 2>/dev/null
