@@ -193,3 +193,14 @@ def test_save_random_checkpoint_serves_in_lamina(tmp_path, smol_tokenizer):
     assert len(res[0].outputs[0].token_ids) == 3
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):
         main(["bench", "save-random", "tiny-llama", str(tmp_path / "c2"), "--tokenizer", str(tmp_path / "none")])
+
+
+def test_hf_baseline_builds_the_same_preset():
+    """The HF baseline and the vLLM baseline take their config from the same place (bench/checkpoint.py)."""
+    import torch
+
+    from lamina.bench.hf_baseline import load_hf
+
+    m = load_hf("random:tiny-llama", torch.float32, torch.device("cpu"), "sdpa")
+    assert type(m).__name__ == "LlamaForCausalLM" and m.dtype == torch.float32
+    assert (m.config.num_hidden_layers, m.config.hidden_size, m.config.vocab_size) == (4, 256, 32000)
