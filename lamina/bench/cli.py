@@ -1,19 +1,14 @@
-"""`lamina bench throughput | latency | serve`: each lamina figure with its HF baseline from the same run."""
+"""`lamina bench throughput | latency | serve`: each lamina figure with its HF or vLLM baseline from the same run."""
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 
 import torch
 
-
-def _hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import os
-
-    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+from lamina.bench.common import free_device as _free_device
+from lamina.bench.common import hardware as _hardware
+from lamina.bench.common import report as _report
+from lamina.bench.vllm_baseline import add_vllm_args
 
 
 def add_bench_parser(sub) -> None:
@@ -27,7 +22,8 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--num-prompts", type=int, default=32)
     tp.add_argument("--input-len", default="128", help="N or MIN:MAX (uniform)")
     tp.add_argument("--output-len", default="128", help="N or MIN:MAX (uniform)")
-    tp.add_argument("--baseline", choices=["none", "hf"], default="none", help="also run HF transformers")
+    tp.add_argument("--baseline", choices=["none", "hf", "vllm"], default="none",
+                    help="also run HF transformers, or vLLM (in a child process)")
     tp.add_argument("--hf-mode", choices=["generate", "generate_batch"], default=None,
                     help="HF baseline: padded static batches, or continuous batching (default: GPU generate_batch, "
                          "CPU generate)")
@@ -36,6 +32,7 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--temperature", type=float, default=0.0,
                     help="lamina's sampling temperature (default 0: greedy, like the HF baseline)")
     tp.add_argument("--result-file", default=None)
+    add_vllm_args(tp)
     tp.set_defaults(func=cmd_throughput)
 
     lat = bsub.add_parser("latency", help="single-request TTFT and decode speed, with achieved bandwidth")
@@ -43,49 +40,34 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--input-len", type=int, default=128)
     lat.add_argument("--output-len", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
-    lat.add_argument("--baseline", choices=["none", "hf"], default="none")
+    lat.add_argument("--baseline", choices=["none", "hf", "vllm"], default="none")
     lat.add_argument("--hf-attn", default="sdpa")
     lat.add_argument("--peak-tflops", type=float, default=790.0,
                      help="matmul rate to compute MFU against (H200 bf16, measured: 790)")
     lat.add_argument("--result-file", default=None)
+    add_vllm_args(lat)
     lat.set_defaults(func=cmd_latency)
 
+    from lamina.bench.checkpoint import add_save_random_parser
     from lamina.bench.kernels import add_kernel_bench_parser
     from lamina.bench.prefix import add_prefix_bench_parser
+    from lamina.bench.serve import add_serve_bench_parser
 
     add_prefix_bench_parser(bsub)
     add_kernel_bench_parser(bsub)
-    try:
-        from lamina.bench.serve import add_serve_bench_parser
-    except ImportError:  # the serving client lands with the server
-        return
     add_serve_bench_parser(bsub)
-
-
-def _free_device(device: torch.device) -> None:
-    """Returns lamina's weights, KV pool and graph pools before the baseline loads its own."""
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        print(f"device memory still allocated before the baseline: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB")
-
-
-def _report(result: dict, path: str | None) -> None:
-    print(json.dumps(result, indent=2))
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+    add_save_random_parser(bsub)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from lamina.bench import hf_baseline
+    from lamina.bench import hf_baseline, vllm_baseline
     from lamina.bench.offline import run_throughput
     from lamina.bench.workload import make_workload, parse_range
     from lamina.cli import engine_kwargs
     from lamina.llm import LLM
 
+    if args.baseline == "vllm":
+        vllm_baseline.require_vllm(args)
     llm = LLM(**engine_kwargs(args))
     eng = llm.engine
     wl = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
@@ -110,8 +92,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         result["hf"] = {"mode": mode, "attn": args.hf_attn, "elapsed_s": elapsed, "generated_tokens": out_tokens,
                         "output_tok_s": useful / elapsed, "total_tok_s": (useful + wl.num_prompt_tokens) / elapsed}
         result["ratio_output_tok_s"] = result["lamina"]["output_tok_s"] / result["hf"]["output_tok_s"]
+    if args.baseline == "vllm":
+        vllm_baseline.compare_throughput(result, args, wl, device, dtype)
     _report(result, args.result_file)
-    return 0
+    return 1 if vllm_baseline.failed(result) else 0
 
 
 def prefill_flops(model: torch.nn.Module, cfg, n: int) -> float:
@@ -128,12 +112,14 @@ def prefill_flops(model: torch.nn.Module, cfg, n: int) -> float:
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
-    from lamina.bench import hf_baseline
+    from lamina.bench import hf_baseline, vllm_baseline
     from lamina.bench.offline import copy_bandwidth, run_latency, state_bytes_per_token, weight_bytes_per_token
     from lamina.bench.workload import make_workload
     from lamina.cli import engine_kwargs
     from lamina.llm import LLM
 
+    if args.baseline == "vllm":
+        vllm_baseline.require_vllm(args)
     llm = LLM(**engine_kwargs(args))
     eng = llm.engine
     prompt = make_workload(1, (args.input_len,) * 2, (args.output_len,) * 2, eng.model_config.vocab_size).prompts[0]
@@ -160,5 +146,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
         result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)
         result["ratio_decode_tok_s"] = lat["decode_tok_s"] / result["hf"]["decode_tok_s"]
+    if args.baseline == "vllm":
+        vllm_baseline.compare_latency(result, args, prompt, device, dtype)
     _report(result, args.result_file)
-    return 0
+    return 1 if vllm_baseline.failed(result) else 0

@@ -16,11 +16,9 @@ def load_hf(model: str, dtype: torch.dtype, device: torch.device, attn: str):
     src = resolve_source(model)
     kw = dict(dtype=dtype, attn_implementation=attn)
     if src.kind == "random":
-        from lamina.models.presets import preset_config
+        from lamina.bench.checkpoint import random_hf_config
 
-        cfg_dict = preset_config(src.preset)
-        arch = cfg_dict.pop("architectures")[0]
-        cfg = transformers.AutoConfig.for_model(_model_type(arch), **cfg_dict)
+        cfg = random_hf_config(src.preset, str(dtype).removeprefix("torch."))
         with torch.device(device):
             m = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
     elif src.kind == "gguf":
@@ -28,12 +26,6 @@ def load_hf(model: str, dtype: torch.dtype, device: torch.device, attn: str):
     else:
         m = transformers.AutoModelForCausalLM.from_pretrained(str(src.path), **kw)
     return m.to(device).eval()
-
-
-def _model_type(arch: str) -> str:
-    return {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
-            "Qwen3NextForCausalLM": "qwen3_next"}[arch]
 
 
 def _sync(device: torch.device) -> None:

@@ -37,7 +37,7 @@ def _time(fn, repeats: int, device: torch.device) -> float:
 
 
 def cmd_gdn_prefill(args: argparse.Namespace) -> int:
-    from lamina.bench.cli import _hardware, _report
+    from lamina.bench.common import hardware, report
     from lamina.kernels.attention import AttentionMetadata
     from lamina.kernels.gated_delta import chunk_gated_delta_rule_ref, gated_delta_rule_varlen
 
@@ -71,10 +71,10 @@ def cmd_gdn_prefill(args: argparse.Namespace) -> int:
     ref_out = ref_out[0].float()
     err = ((out - ref_out).norm() / ref_out.norm()).item()
     state_err = ((pool[0] - ref_state[0]).norm() / ref_state[0].norm()).item()
-    result = {"command": "gdn-prefill", "hardware": _hardware(device), "dtype": args.dtype, "seq_len": n,
+    result = {"command": "gdn-prefill", "hardware": hardware(device), "dtype": args.dtype, "seq_len": n,
               "shape": {"num_k_heads": hk, "num_v_heads": hv, "head_dim": d},
               "kernel": {"time_s": t_kernel, "tok_s": n / t_kernel},
               "torch_reference": {"time_s": t_ref, "tok_s": n / t_ref},
               "speedup": t_ref / t_kernel, "rel_err_out": err, "rel_err_state": state_err}
-    _report(result, args.result_file)
+    report(result, args.result_file)
     return 0

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from lamina.bench.vllm_baseline import add_vllm_args
 from lamina.sampling_params import SamplingParams
 
 
@@ -22,7 +23,10 @@ def add_prefix_bench_parser(bsub) -> None:
     p.add_argument("--prefix-len", type=int, default=4096)
     p.add_argument("--question-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--baseline", choices=["none", "vllm"], default="none",
+                   help="also run vLLM (prefix cache on) on the same requests, in a child process")
     p.add_argument("--result-file", default=None)
+    add_vllm_args(p)
     p.set_defaults(func=cmd_prefix)
 
 
@@ -37,6 +41,11 @@ def _prompts(args, vocab: int, groups: int | None = None, seed: int = 0) -> list
     return out
 
 
+def _warmup_prompts(args, vocab: int) -> list[list[int]]:
+    """Prompts of the workload's shapes with other tokens, so nothing of the workload gets cached by them."""
+    return _prompts(args, vocab, groups=2, seed=1)[:2 * min(args.per_group, 8)]
+
+
 def _run(kwargs: dict, args, cache: bool) -> dict:
     from lamina.llm import LLM
 
@@ -45,9 +54,9 @@ def _run(kwargs: dict, args, cache: bool) -> dict:
     eng.stream_outputs = True  # per-request first-token times
     prompts = _prompts(args, eng.model_config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    # Warm-up on the workload's shapes (other tokens, so nothing of it is cached): Triton compiles the kernel
-    # variants these batch shapes pick (they are specialized per tile regime) before the clock starts.
-    warm = _prompts(args, eng.model_config.vocab_size, groups=2, seed=1)[:2 * min(args.per_group, 8)]
+    # Warm-up on the workload's shapes: Triton compiles the kernel variants these batch shapes pick (they are
+    # specialized per tile regime) before the clock starts.
+    warm = _warmup_prompts(args, eng.model_config.vocab_size)
     llm.generate([{"prompt_token_ids": p} for p in warm],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
@@ -81,9 +90,12 @@ def _run(kwargs: dict, args, cache: bool) -> dict:
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
-    from lamina.bench.cli import _report
+    from lamina.bench import vllm_baseline
+    from lamina.bench.common import report
     from lamina.cli import engine_kwargs
 
+    if args.baseline == "vllm":
+        vllm_baseline.require_vllm(args)
     kwargs = engine_kwargs(args)
     on, off = _run(kwargs, args, True), _run(kwargs, args, False)
     result = {"command": "prefix", "model": args.model, "groups": args.groups, "per_group": args.per_group,
@@ -91,5 +103,13 @@ def cmd_prefix(args: argparse.Namespace) -> int:
               "cache_on": on, "cache_off": off,
               "prefill_reduction": 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"],
               "ttft_median_speedup": off["ttft_median_s"] / on["ttft_median_s"]}
-    _report(result, args.result_file)
-    return 0
+    if args.baseline == "vllm":
+        from lamina.engine.memory import resolve_device, resolve_dtype
+        from lamina.models.loader import read_config, resolve_source
+
+        vocab = read_config(resolve_source(args.model))[0].vocab_size
+        device = resolve_device(args.device)
+        vllm_baseline.compare_prefix(result, args, _warmup_prompts(args, vocab), _prompts(args, vocab), device,
+                                     resolve_dtype(args.dtype, device))
+    report(result, args.result_file)
+    return 1 if vllm_baseline.failed(result) else 0

@@ -4,6 +4,10 @@ throughput and TTFT, TPOT, ITL, end-to-end latency (mean, p50, p90, p99) and fai
 --max-concurrency takes a comma list (1,4,16,64) to sweep; --plot draws the sweep. Arrivals are Poisson at
 --request-rate (inf: all at once, the concurrency cap does the pacing). ignore_eos is sent as an extra body
 field so every output has the asked length (servers that do not know it ignore it).
+
+--num-clients N splits each run over N client processes (serve_multi.py), so that one Python process parsing
+every streamed chunk does not cap what is measured; --fake-server loads a server with no model
+(fake_server.py) instead, which measures the client's own ceiling.
 """
 from __future__ import annotations
 
@@ -47,6 +51,13 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--result-file", default=None, help="write the results as JSON")
     p.add_argument("--plot", default=None, help="PNG of latency percentiles vs concurrency (with a sweep)")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--num-clients", type=int, default=1,
+                   help="client processes sharing each run (requests, concurrency and rate divided among them)")
+    p.add_argument("--fake-server", action="store_true",
+                   help="load a trivial streaming server with no model instead (lamina.bench.fake_server): the "
+                        "client's own ceiling; --base-url is ignored")
+    p.add_argument("--fake-server-workers", type=int, default=1, help="--fake-server: server processes")
+    p.add_argument("--fake-step-ms", type=float, default=0.0, help="--fake-server: pause between two tokens")
     p.set_defaults(func=cmd_serve_bench)
 
 
@@ -59,38 +70,56 @@ def parse_concurrency(text: str | None) -> list[int | None]:
     return values
 
 
+async def drive(client: httpx.AsyncClient, target: Target, reqs: list[BenchRequest], concurrency: int | None,
+                rate: float, seed: int, bar=None) -> list[RequestResult]:
+    """Sends reqs (Poisson arrivals at rate, at most concurrency in flight); returns their results in order."""
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(req: BenchRequest) -> RequestResult:
+        if sem is None:
+            res = await send(client, target, req)
+        else:
+            async with sem:
+                res = await send(client, target, req)
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    rng = random.Random(seed)
+    tasks = []
+    for req in reqs:
+        tasks.append(asyncio.create_task(one(req)))
+        if math.isfinite(rate) and rate > 0:
+            await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+def http_client(pool: int, timeout: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits)
+
+
+async def warm_up(client: httpx.AsyncClient, target: Target, reqs: list[BenchRequest], n: int) -> None:
+    """n requests (cycling through reqs), not counted."""
+    if n and reqs:
+        await asyncio.gather(*(send(client, target, reqs[i % len(reqs)]) for i in range(n)))
+
+
 async def run_once(target: Target, reqs: list[BenchRequest], concurrency: int | None, rate: float, seed: int,
                    timeout: float, progress: bool, warmups: int = 0) -> RunSummary:
     from tqdm import tqdm
 
-    pool = concurrency or len(reqs)
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as client:
-        if warmups:
-            await asyncio.gather(*(send(client, target, reqs[i % len(reqs)]) for i in range(warmups)))
-        sem = asyncio.Semaphore(concurrency) if concurrency else None
+    async with http_client(concurrency or len(reqs), timeout) as client:
+        await warm_up(client, target, reqs, warmups)
         bar = tqdm(total=len(reqs), desc=f"concurrency {concurrency or 'max'}", unit="req", disable=not progress)
-
-        async def one(req: BenchRequest) -> RequestResult:
-            if sem is None:
-                res = await send(client, target, req)
-            else:
-                async with sem:
-                    res = await send(client, target, req)
-            bar.update(1)
-            return res
-
-        rng = random.Random(seed)
-        t0 = time.perf_counter()
-        tasks = []
-        for req in reqs:
-            tasks.append(asyncio.create_task(one(req)))
-            if math.isfinite(rate) and rate > 0:
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        results = await drive(client, target, reqs, concurrency, rate, seed, bar)
         duration = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         bar.close()
-    return summarize(results, duration, concurrency, rate)
+    summary = summarize(results, duration, concurrency, rate)
+    summary.client_cpu_frac = [cpu / duration]
+    return summary
 
 
 def _server_model(base_url: str, headers: dict) -> str:
@@ -125,7 +154,20 @@ def server_metrics(base_url: str) -> dict[str, float]:
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
-    base = args.base_url.rstrip("/")
+    if not args.fake_server:
+        return _bench(args, args.base_url)
+    from lamina.bench import fake_server
+
+    port = fake_server.free_port()
+    procs = fake_server.start(port, args.fake_server_workers, args.fake_step_ms)
+    try:
+        return _bench(args, f"http://127.0.0.1:{port}")
+    finally:
+        fake_server.stop(procs)
+
+
+def _bench(args: argparse.Namespace, base_url: str) -> int:
+    base = base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[:-3]
     key_headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -140,12 +182,21 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         reqs = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.prompt_type,
                              args.vocab_size, seed)
         before = server_metrics(base)
-        summary = asyncio.run(run_once(target, reqs, conc, args.request_rate, seed, args.timeout,
-                                       not args.disable_tqdm, args.num_warmups))
+        if args.num_clients > 1:
+            from lamina.bench.serve_multi import run_multi
+
+            summary = run_multi(target, reqs, conc, args.request_rate, seed, args.timeout, args.num_clients,
+                                args.num_warmups)
+        else:
+            summary = asyncio.run(run_once(target, reqs, conc, args.request_rate, seed, args.timeout,
+                                           not args.disable_tqdm, args.num_warmups))
         after = server_metrics(base)
         summary.server_counters = {k: after[k] - before.get(k, 0.0) for k in after
                                    if any(c in k for c in _COUNTERS)}
         print(format_summary(summary), flush=True)
+        if summary.client_cpu_frac and max(summary.client_cpu_frac) > 0.8:
+            print(f"warning: a client process was busy {max(summary.client_cpu_frac):.0%} of the run, so these "
+                  "figures may be the client's: try more --num-clients", flush=True)
         runs.append(summary)
     gauges = {k: v for k, v in server_metrics(base).items() if any(g in k for g in _GAUGES)}
     if gauges:
@@ -154,7 +205,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "range_ratio": args.range_ratio, "prompt_type": args.prompt_type, "ignore_eos": args.ignore_eos,
               "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-              "temperature": args.temperature, "runs": [r.to_dict() for r in runs], "server_gauges_after": gauges}
+              "temperature": args.temperature, "num_clients": args.num_clients, "fake_server": args.fake_server,
+              "runs": [r.to_dict() for r in runs], "server_gauges_after": gauges}
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(result, f, indent=2)

@@ -43,6 +43,9 @@ class RunSummary:
     e2el_ms: Dist
     errors: list[str]
     server_counters: dict[str, float] = field(default_factory=dict)  # server-side deltas over the run
+    num_clients: int = 1  # client processes that shared the run
+    # Each client process's CPU seconds over the run / the run's duration: near 1.0, that client was saturated.
+    client_cpu_frac: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """Plain JSON: inf/NaN (unlimited rate, empty distributions) become "inf"/null."""
@@ -86,6 +89,8 @@ def format_summary(s: RunSummary) -> str:
     for name, d in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("ITL", s.itl_ms), ("E2E latency", s.e2el_ms)):
         lines.append(f"{name + ' (ms)':<18}mean {d.mean:>10.1f}  p50 {d.p50:>10.1f}  p90 {d.p90:>10.1f}  "
                      f"p99 {d.p99:>10.1f}")
+    if s.client_cpu_frac:
+        lines.append(f"{'Client processes, busiest CPU fraction:':<40}{s.num_clients:>5} {max(s.client_cpu_frac):>6.2f}")
     for k, v in sorted(s.server_counters.items()):
         lines.append(f"{'server ' + k.split(':', 1)[-1] + ':':<40}{v:>12g}")
     for e in s.errors:

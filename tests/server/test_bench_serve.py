@@ -46,8 +46,5 @@ def test_bench_sweep(server, tmp_path, prompt_type, endpoint):
 
 
 def test_bench_is_wired_into_the_cli():
-    try:
-        args = build_parser().parse_args(["bench", "serve", "--max-concurrency", "1,2"])
-    except SystemExit:
-        pytest.skip("lamina bench serve is not wired into lamina/bench/cli.py yet")
-    assert args.max_concurrency == "1,2"
+    args = build_parser().parse_args(["bench", "serve", "--max-concurrency", "1,2", "--num-clients", "2"])
+    assert args.max_concurrency == "1,2" and args.num_clients == 2

@@ -1,0 +1,33 @@
+"""Helpers every `lamina bench` command shares: the hardware line, the JSON report, freeing the device."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+
+import torch
+
+
+def hardware(device: torch.device) -> str:
+    """One line naming what the figures were measured on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return (f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()} cores, "
+            f"torch threads {torch.get_num_threads()}")
+
+
+def free_device(device: torch.device) -> None:
+    """Returns lamina's weights, KV pool and graph pools before the baseline loads its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        print(f"device memory still allocated before the baseline: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB")
+
+
+def report(result: dict, path: str | None) -> None:
+    """Prints the result as JSON and, with a path, writes it there too."""
+    print(json.dumps(result, indent=2))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
