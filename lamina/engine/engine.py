@@ -105,7 +105,7 @@ class LLMEngine:
 
             pad = self.state_pool.padding_slot if self.state_pool is not None else None
             self.runner.graphs = CudaGraphRunner(self.model, config.max_num_seqs, self.max_model_len, bs, self.device,
-                                                 pad)
+                                                 pad, config.max_num_batched_tokens)
             self.runner.graphs.capture()
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
