@@ -15,8 +15,14 @@ import torch
 
 from lamina import LLM, SamplingParams
 from lamina.engine.cuda_graph import CudaGraphRunner
-from lamina.engine.graph_keys import (GraphKey, choose_key, decode_batch_sizes, mixed_seq_slots,
-                                      mixed_token_sizes, padding_waste)
+from lamina.engine.graph_keys import (
+    GraphKey,
+    choose_key,
+    decode_batch_sizes,
+    mixed_seq_slots,
+    mixed_token_sizes,
+    padding_waste,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 

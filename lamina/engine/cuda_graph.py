@@ -24,7 +24,13 @@ import time
 import torch
 
 from lamina.engine.graph_inputs import GraphInputs
-from lamina.engine.graph_keys import GraphKey, choose_key, decode_batch_sizes, graph_keys, mixed_token_sizes
+from lamina.engine.graph_keys import (
+    GraphKey,
+    choose_key,
+    decode_batch_sizes,
+    graph_keys,
+    mixed_token_sizes,
+)
 
 log = logging.getLogger("lamina")
 
@@ -60,6 +66,7 @@ class CudaGraphRunner:
         dtype = next(model.parameters()).dtype
         self.hidden = torch.zeros(self.inputs.max_tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.capture_s, self.capture_bytes = 0.0, 0  # set by capture()
 
     @property
     def state_slots(self) -> torch.Tensor | None:
@@ -111,9 +118,11 @@ class CudaGraphRunner:
             pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - start
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - before
         log.warning("captured %d CUDA graphs (decode batch sizes %s; mixed token counts %s) in %.2f s, %.2f GiB",
-                    len(self.graphs), self.decode_sizes, self.mixed_sizes or "none", time.perf_counter() - start,
-                    (torch.cuda.memory_reserved(self.device) - before) / 2**30)
+                    len(self.graphs), self.decode_sizes, self.mixed_sizes or "none", self.capture_s,
+                    self.capture_bytes / 2**30)
 
     def can_run(self, batch) -> bool:
         return self.pick(batch) is not None

@@ -33,7 +33,7 @@ class GraphMetadata(AttentionMetadata):
 class GraphInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
                  padding_slot: int | None = None) -> None:
-        kw = dict(device=device)
+        kw = {"device": device}
         self.padding_slot = padding_slot
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, **kw)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, **kw)
@@ -74,7 +74,7 @@ class GraphInputs:
         meta = batch.attn
         t, b, tp, bp = batch.input_ids.shape[0], meta.num_seqs, key.tokens, key.seqs
         assert t <= tp and b <= bp - (not key.decode), (t, b, key)
-        nb = dict(non_blocking=True)
+        nb = {"non_blocking": True}
         self.input_ids[:t].copy_(batch.input_ids, **nb)
         self.positions[:t].copy_(batch.positions, **nb)
         self.slot_mapping[:t].copy_(meta.slot_mapping, **nb)

@@ -8,12 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from lamina.engine.graph_inputs import GraphInputs
-from lamina.engine.graph_keys import GraphKey, choose_key, decode_batch_sizes, mixed_token_sizes
-from lamina.kernels.attention import paged_attention_ref, store_kv_ref
 from kernel_helpers import DEV, INTERPRET, TOL, rel_err
 from test_triton_kernels import make_step
+
+from lamina.engine.graph_inputs import GraphInputs
+from lamina.engine.graph_keys import (
+    GraphKey,
+    choose_key,
+    decode_batch_sizes,
+    mixed_token_sizes,
+)
+from lamina.kernels.attention import paged_attention_ref, store_kv_ref
 
 # (query_len, seq_len) per sequence, in scheduled order: decode rows anywhere, chunks with and without prefix.
 CASES = {
@@ -82,7 +87,7 @@ def test_padded_reference_matches_unpadded():
     """The reference on the padded batch (exact host fields) equals it on the step: the CPU tests of the graph
     body rely on this."""
     specs, hq, hkv, d, window = CASES["mixed_interleaved"]
-    q, k, v, kc, vc, meta, key, _, q_pad, k_pad, v_pad = _graph_step(specs, hq, hkv, d, torch.float32, 8)
+    q, k, v, kc, vc, meta, key, _, q_pad, _, _ = _graph_step(specs, hq, hkv, d, torch.float32, 8)
     inputs_meta = _exact(meta, key)
     store_kv_ref(k, v, kc, vc, meta.slot_mapping)
     kc, vc = kc.nan_to_num(0), vc.nan_to_num(0)
