@@ -44,7 +44,9 @@ def test_choose_key():
     dec, mix = decode_batch_sizes(256), mixed_token_sizes(2048)
     assert choose_key(3, 3, True, dec, mix, 256) == GraphKey(4, 4, True)
     assert choose_key(200, 200, True, dec, mix, 256) == GraphKey(208, 208, True)
-    assert choose_key(300, 300, True, dec, mix, 256) is None  # more sequences than the decode graphs take
+    assert choose_key(300, 300, True, dec, mix, 256) is None  # more sequences than any graph takes
+    # max_num_seqs 512: decode steps past the largest decode graph replay a mixed graph.
+    assert choose_key(300, 300, True, dec, mix, 512) == GraphKey(320, 320, False)
     assert choose_key(60, 5, False, dec, mix, 256) == GraphKey(64, 64, False)
     assert choose_key(700, 40, False, dec, mix, 256) == GraphKey(704, 257, False)
     # 20 sequences in 20 tokens cannot happen in a mixed step, but 20 in 21 can: a slot for the padding is left.

@@ -65,7 +65,9 @@ def choose_key(num_tokens: int, num_seqs: int, decode_only: bool, decode_sizes: 
         return None
     if decode_only:
         i = bisect.bisect_left(decode_sizes, num_seqs)
-        return GraphKey(decode_sizes[i], decode_sizes[i], True) if i < len(decode_sizes) else None
+        if i < len(decode_sizes):
+            return GraphKey(decode_sizes[i], decode_sizes[i], True)
+        # More sequences than the largest decode graph (max_num_seqs > 256): a mixed graph runs them too.
     i = bisect.bisect_left(mixed_sizes, num_tokens)
     while i < len(mixed_sizes):  # the slot count grows with the size: a later size may fit more sequences
         t = mixed_sizes[i]

@@ -57,8 +57,9 @@ def _graph_step(specs, hq, hkv, d, dtype, max_num_seqs, extra_pad=0):
 
 
 @pytest.mark.parametrize("case,dtype,extra_pad", [(c, d, 0) for c, d in PARAMS] + [
-    ("mixed_interleaved", torch.float16, 150), ("mixed_window_g7", torch.float16, 130)],
-    ids=[f"{c}-{str(d)[6:]}" for c, d in PARAMS] + ["wide_padding", "wide_padding_window"])
+    ("mixed_interleaved", torch.float16, 150), ("mixed_window_g7", torch.float16, 130),
+    ("decode_only", torch.float16, 20)],  # a decode step on a mixed graph (past the largest decode graph)
+    ids=[f"{c}-{str(d)[6:]}" for c, d in PARAMS] + ["wide_padding", "wide_padding_window", "decode_on_mixed"])
 @pytest.mark.parametrize("max_num_seqs", [8, 64])
 def test_attention_on_padded_graph_metadata(case, dtype, extra_pad, max_num_seqs):
     from lamina.kernels.triton_attention import paged_attention_triton, store_kv_triton
@@ -67,7 +68,7 @@ def test_attention_on_padded_graph_metadata(case, dtype, extra_pad, max_num_seqs
     q, k, v, kc, vc, meta, key, gmeta, q_pad, k_pad, v_pad = _graph_step(specs, hq, hkv, d, dtype, max_num_seqs,
                                                                          extra_pad)
     t = q.shape[0]
-    assert key.decode == meta.is_decode_only
+    assert key.decode == (meta.is_decode_only and not extra_pad)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     store_kv_ref(k, v, kc_ref, vc_ref, meta.slot_mapping)
     store_kv_triton(k_pad, v_pad, kc, vc, gmeta.slot_mapping)
