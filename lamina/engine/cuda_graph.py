@@ -13,7 +13,7 @@ outputs are views of the one hidden-state buffer, so the pool is about one large
 (~0.25 GB at 8,192 tokens for the Qwen3-0.6B shape) plus the buffers.
 
 Hybrid models (gated delta net layers) replay decode graphs only: their prefill kernels plan chunks from
-host-side query lengths (see the report in the graphs branch), so their mixed steps stay eager.
+host-side query lengths (CUDA_GRAPHS.md says what capturing them needs), so their mixed steps stay eager.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from lamina.engine.graph_keys import (
     graph_keys,
     mixed_token_sizes,
 )
+from lamina.kernels.dispatch import triton_available
 
 log = logging.getLogger("lamina")
 
@@ -61,8 +62,11 @@ class CudaGraphRunner:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         mixed = mixed_graphs_enabled() if mixed is None else mixed
         self.decode_sizes = decode_batch_sizes(max_num_seqs)
+        # Mixed graphs need the Triton attention (the torch reference plans from host query lengths).
+        on = bool(mixed and max_num_batched_tokens and padding_slot is None) and \
+            (device.type != "cuda" or triton_available())
         self.mixed_sizes = mixed_token_sizes(min(max_num_batched_tokens, MAX_GRAPH_TOKENS), tokens_per_octave) \
-            if mixed and max_num_batched_tokens and padding_slot is None else []
+            if on else []
         self.keys = graph_keys(self.decode_sizes, self.mixed_sizes, max_num_seqs)
         max_blocks = (max_model_len + block_size - 1) // block_size
         self.inputs = GraphInputs(max(k.tokens for k in self.keys), max(k.seqs for k in self.keys), max_blocks,

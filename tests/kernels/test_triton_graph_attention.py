@@ -94,7 +94,8 @@ def test_padded_reference_matches_unpadded():
     kc, vc = kc.nan_to_num(0), vc.nan_to_num(0)
     ref = paged_attention_ref(q, kc, vc, meta, d ** -0.5, window)
     padded = paged_attention_ref(q_pad, kc, vc, inputs_meta, d ** -0.5, window)
-    assert torch.equal(padded[: q.shape[0]], ref) and torch.equal(padded[q.shape[0]:], torch.zeros_like(padded[q.shape[0]:]))
+    t = q.shape[0]
+    assert torch.equal(padded[:t], ref) and torch.equal(padded[t:], torch.zeros_like(padded[t:]))
 
 
 def _exact(meta, key: GraphKey):
