@@ -76,6 +76,7 @@ class CudaGraphRunner:
         self.hidden = torch.zeros(self.inputs.max_tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.capture_s, self.capture_bytes = 0.0, 0  # set by capture()
+        self._pool = None  # the private memory pool all graphs share
 
     @property
     def state_slots(self) -> torch.Tensor | None:
@@ -111,27 +112,41 @@ class CudaGraphRunner:
     def capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
-        pool = None
+        self._pool = None
         stream = torch.cuda.Stream(self.device)
         # Largest first, so smaller graphs reuse the pool's blocks; mixed graphs are the largest.
         for key in sorted(self.keys, key=lambda k: (k.tokens, not k.decode), reverse=True):
-            self.inputs.reset(key)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2 if key.decode else 1):  # warm-up: Triton compiles, cuBLAS picks, allocator settles
-                    self.body(key)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.body(key)
-            pool = graph.pool()
-            self.graphs[key] = graph
+            if key.decode:
+                self._capture(key, stream)
+                continue
+            if not self.mixed_sizes:
+                continue
+            try:
+                self._capture(key, stream)
+            except Exception:  # keep serving with decode graphs; the log says why
+                log.exception("capturing the mixed-step graph of %d tokens failed: mixed steps run eagerly", key.tokens)
+                torch.cuda.synchronize(self.device)
+                self.graphs = {k: g for k, g in self.graphs.items() if k.decode}
+                self.mixed_sizes, self._pool = [], None
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - before
         log.warning("captured %d CUDA graphs (decode batch sizes %s; mixed token counts %s) in %.2f s, %.2f GiB",
                     len(self.graphs), self.decode_sizes, self.mixed_sizes or "none", self.capture_s,
                     self.capture_bytes / 2**30)
+
+    def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
+        self.inputs.reset(key)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2 if key.decode else 1):  # warm-up: Triton compiles, cuBLAS picks, allocator settles
+                self.body(key)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            self.body(key)
+        self._pool = graph.pool()
+        self.graphs[key] = graph
 
     def can_run(self, batch) -> bool:
         return self.pick(batch) is not None
