@@ -54,6 +54,13 @@ def test_choose_key():
     assert choose_key(17, 16, False, dec, mix, 16) == GraphKey(32, 17, False)
     assert choose_key(16, 16, False, dec, mix, 16) == GraphKey(32, 17, False)  # slots grow with the size
     assert choose_key(2049, 2, False, dec, mix, 256) is None
+    # A few long contexts in a graph of many more slots would lose split-K: eager. Many sequences, or short
+    # contexts, or a graph sized to the step: graph.
+    assert choose_key(1000, 5, False, dec, mix, 256, max_seq_len=20000) is None
+    assert choose_key(1000, 100, False, dec, mix, 256, max_seq_len=20000) == GraphKey(1024, 257, False)
+    assert choose_key(1000, 5, False, dec, mix, 256, max_seq_len=4000) == GraphKey(1024, 257, False)
+    assert choose_key(20, 12, False, dec, mix, 256, max_seq_len=20000) == GraphKey(32, 32, False)
+    assert choose_key(5, 5, True, dec, mix, 256, max_seq_len=20000) == GraphKey(8, 8, True)
     assert mixed_seq_slots(16, 256) == 16 and mixed_seq_slots(4096, 256) == 257
 
 

@@ -94,7 +94,7 @@ class CudaGraphRunner:
     def pick(self, batch) -> GraphKey | None:
         meta = batch.attn
         key = choose_key(batch.input_ids.shape[0], meta.num_seqs, meta.is_decode_only, self.decode_sizes,
-                         self.mixed_sizes, self.max_num_seqs)
+                         self.mixed_sizes, self.max_num_seqs, meta.max_seq_len)
         return key if key is not None and self.inputs.fits(batch, key) else None
 
     def logits(self, batch, hidden: torch.Tensor) -> torch.Tensor:

@@ -58,9 +58,18 @@ def graph_keys(decode_sizes: list[int], mixed_sizes: list[int], max_num_seqs: in
         [GraphKey(t, mixed_seq_slots(t, max_num_seqs), False) for t in mixed_sizes]
 
 
+# A mixed graph's decode split count follows its slot count, not the step's decode rows: a step with a few
+# very long contexts in a graph with many more slots would run those rows nearly unsplit (one program per row
+# and KV head over 16k+ keys, ~0.5 ms per layer at 32k), which costs more than the eager launches it saves.
+# Such steps run eagerly (a per-sequence split count read on the device would remove this rule).
+LONG_CONTEXT = 16384
+LONG_CONTEXT_SLOT_RATIO = 4
+
+
 def choose_key(num_tokens: int, num_seqs: int, decode_only: bool, decode_sizes: list[int],
-               mixed_sizes: list[int], max_num_seqs: int) -> GraphKey | None:
-    """The graph a step of num_tokens rows over num_seqs sequences replays, or None (run it eagerly)."""
+               mixed_sizes: list[int], max_num_seqs: int, max_seq_len: int = 0) -> GraphKey | None:
+    """The graph a step of num_tokens rows over num_seqs sequences (longest context max_seq_len) replays, or
+    None (run it eagerly)."""
     if num_tokens < 1 or num_seqs < 1:
         return None
     if decode_only:
@@ -73,6 +82,8 @@ def choose_key(num_tokens: int, num_seqs: int, decode_only: bool, decode_sizes: 
         t = mixed_sizes[i]
         slots = mixed_seq_slots(t, max_num_seqs)
         if slots >= num_seqs + 1:
+            if max_seq_len > LONG_CONTEXT and slots > LONG_CONTEXT_SLOT_RATIO * (num_seqs + 1):
+                return None
             return GraphKey(t, slots, False)
         i += 1
     return None
