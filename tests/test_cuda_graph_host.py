@@ -84,16 +84,25 @@ class CheckedGraphs(CudaGraphRunner):
     """Runs the graph body eagerly on the padded batch, checks it against the unpadded forward and returns
     the body's logits (so generation goes through the padded path end to end)."""
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a, state_pool=None, **kw):
         super().__init__(*a, **kw)
         self.used: list[tuple[int, GraphKey]] = []
         self.worst = 0.0
+        self.state_pool = state_pool  # recurrent state advances per forward: restored between the two runs
 
     def run(self, batch):
         key = self.pick(batch)
+        pool = [t for pair in self.state_pool.tensors for t in pair] if self.state_pool is not None else []
+        before = [t.clone() for t in pool]
         logits = self.run_eager(batch, key)
+        after = [t.clone() for t in pool]
+        for t, b in zip(pool, before):
+            t.copy_(b)
         with torch.inference_mode():
             ref = self.model(batch.input_ids, batch.positions, batch.attn, batch.logits_indices)
+        pad = self.padding_slot
+        for t, a in zip(pool, after):  # real slots end equal; padded rows wrote only the padding slot
+            assert torch.allclose(t[:pad], a[:pad], atol=1e-5), (t[:pad] - a[:pad]).abs().max()
         assert logits.shape == ref.shape
         if ref.numel():  # a step of prompt chunks that sample nothing has no logits rows
             self.worst = max(self.worst, (logits - ref).abs().max().item())
@@ -134,3 +143,31 @@ def test_padded_body_equals_eager_forward(checkpoints, family, overlap, one_thre
     assert kinds == {True, False}, "both decode and mixed graphs must have been used"
     assert any(k.tokens > t for t, k in graphs.used if not k.decode), "some mixed step was padded"
     assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
+
+
+@pytest.fixture(scope="module")
+def hybrid_ckpts(tmp_path_factory, smol_tokenizer):
+    from hybrid_helpers import hybrid_checkpoints
+
+    return hybrid_checkpoints(tmp_path_factory, smol_tokenizer)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_padded_body_equals_eager_forward_moe_and_hybrid(hybrid_ckpts, family, one_thread):
+    """MoE with attention only: every step through the padded body. Hybrid (gated delta net): decode steps
+    through it (padded rows on the state pool's padding slot), mixed steps eager."""
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)] * 6
+    kw = {"max_num_batched_tokens": 32, "max_num_seqs": 6, "async_scheduling": True}
+    want = _llm(hybrid_ckpts[family], **kw).generate(_prompts(6, seed=1), params, use_tqdm=False)
+    llm = _llm(hybrid_ckpts[family], **kw)
+    eng = llm.engine
+    pad = eng.state_pool.padding_slot if eng.state_pool is not None else None
+    eng.runner.graphs = graphs = CheckedGraphs(eng.model, 6, eng.max_model_len, 4, eng.device, pad,
+                                               max_num_batched_tokens=32, state_pool=eng.state_pool)
+    got = llm.generate(_prompts(6, seed=1), params, use_tqdm=False)
+    assert graphs.worst < 1e-4, graphs.worst
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    kinds = {k.decode for _, k in graphs.used}
+    assert kinds == ({True} if pad is not None else {True, False})
+    assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
+    assert pad is None or eng.state_pool.num_free == eng.state_pool.num_slots
