@@ -106,16 +106,17 @@ def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: Mode
     return Pools(layout, kv, state_pool, snapshots, max_model_len)
 
 
-def build_decode_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: int,
-                        state_pool: StatePool | None, device: torch.device):
-    """Captured decode CUDA graphs, or None (CPU, enforce_eager, or state layers without the Triton kernels:
+def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: int,
+                 state_pool: StatePool | None, device: torch.device):
+    """Captured CUDA graphs (decode steps, and mixed steps of attention-only models), or None (CPU, enforce_eager, or state layers without the Triton kernels:
     the torch references build index tensors from host lists, which a graph cannot replay)."""
     if device.type != "cuda" or config.enforce_eager or (state_pool is not None and not triton_available()):
         return None
     from lamina.engine.cuda_graph import CudaGraphRunner
 
     pad = state_pool.padding_slot if state_pool is not None else None
-    graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad)
+    graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad,
+                             config.max_num_batched_tokens)
     graphs.capture()
     return graphs
 

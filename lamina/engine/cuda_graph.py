@@ -1,105 +1,160 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, replayed with new inputs.
+"""CUDA graphs for every step of an attention-only model, and for the decode steps of hybrid models.
 
-A decode step of a small model is hundreds of short kernel launches; replaying a captured graph removes
-the launch overhead. The graph reads its inputs from static buffers (stable addresses), so each step only
-copies the batch into them. Padded rows write no KV (slot -1) and attend to one token of block 0; in hybrid
-models they point at the state pool's padding slot, which no sequence leases, and may scribble there.
+A step of a small model is hundreds of short kernel launches; replaying a captured graph removes the launch
+overhead. Which graph a step replays is graph_keys.choose_key: decode-only steps by padded batch size, other
+steps (prefill chunks with or without decode rows) by padded token count. The graph reads its inputs from
+static buffers (graph_inputs.py pads the batch into them) and computes the backbone's hidden states for all
+its rows into one static buffer; the lm_head then runs eagerly on the rows the step needs (one GEMM), so no
+graph owns a [rows, vocab] logits tensor (the decode graphs alone held 1.3 GB of them at Qwen3's vocabulary)
+and prompt-logprob steps replay graphs too.
+
+Memory: every graph shares one private pool, captured largest first so smaller graphs reuse its blocks;
+outputs are views of the one hidden-state buffer, so the pool is about one largest step's activations
+(~0.25 GB at 8,192 tokens for the Qwen3-0.6B shape) plus the buffers.
+
+Hybrid models (gated delta net layers) replay decode graphs only: their prefill kernels plan chunks from
+host-side query lengths (CUDA_GRAPHS.md says what capturing them needs), so their mixed steps stay eager.
 """
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 
-from lamina.engine.runner import ForwardBatch
-from lamina.kernels.attention import AttentionMetadata
+from lamina.engine.graph_inputs import GraphInputs
+from lamina.engine.graph_keys import (
+    GraphKey,
+    choose_key,
+    decode_batch_sizes,
+    graph_keys,
+    mixed_token_sizes,
+)
+from lamina.kernels.dispatch import triton_available
 
 log = logging.getLogger("lamina")
 
+# Mixed graphs go up to this many tokens; larger steps run eagerly. They are device-bound (an 8,192-token
+# step of the 0.6B shape is ~15 ms of GEMMs against ~5 ms of eager launches, overlapped), while the pool and
+# the capture time grow with the largest graph.
+MAX_GRAPH_TOKENS = 16384
+
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16))
-    return [s for s in sizes if s <= max(max_num_seqs, 1)] or [1]
+    """Kept for callers of the decode-only API."""
+    return decode_batch_sizes(max_num_seqs)
+
+
+def mixed_graphs_enabled() -> bool:
+    """LAMINA_MIXED_GRAPHS=0 turns the mixed-step graphs off (A/B runs, or a way out if one misbehaves)."""
+    return os.environ.get("LAMINA_MIXED_GRAPHS", "1") != "0"
 
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, padding_slot: int | None = None) -> None:
+                 device: torch.device, padding_slot: int | None = None, max_num_batched_tokens: int | None = None,
+                 mixed: bool | None = None, tokens_per_octave: int = 8) -> None:
+        """max_num_batched_tokens: the largest step; None or mixed=False capture decode graphs only (as do
+        hybrid models, padding_slot set). mixed=None reads mixed_graphs_enabled()."""
         self.model, self.device = model, device
-        self.padding_slot = padding_slot  # set when the model keeps per-sequence state in a StatePool
-        self.sizes = graph_batch_sizes(max_num_seqs)
-        self.max_bs = self.sizes[-1]
-        self.max_blocks = (max_model_len + block_size - 1) // block_size
-        self.max_model_len = max_model_len
-        n = self.max_bs
-        kw = dict(device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.long, **kw)
-        self.positions = torch.zeros(n, dtype=torch.long, **kw)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, **kw)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, **kw)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, **kw)
-        self.query_start = torch.arange(n + 1, dtype=torch.int32, **kw)
-        self.logits_indices = torch.arange(n, dtype=torch.long, **kw)
-        self.state_slots = self.has_initial_state = None
-        if padding_slot is not None:
-            self.state_slots = torch.full((n,), padding_slot, dtype=torch.long, **kw)
-            self.has_initial_state = torch.ones(n, dtype=torch.bool, **kw)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.padding_slot = padding_slot
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        mixed = mixed_graphs_enabled() if mixed is None else mixed
+        self.decode_sizes = decode_batch_sizes(max_num_seqs)
+        # Mixed graphs need the Triton attention (the torch reference plans from host query lengths).
+        on = bool(mixed and max_num_batched_tokens and padding_slot is None) and \
+            (device.type != "cuda" or triton_available())
+        self.mixed_sizes = mixed_token_sizes(min(max_num_batched_tokens, MAX_GRAPH_TOKENS), tokens_per_octave) \
+            if on else []
+        self.keys = graph_keys(self.decode_sizes, self.mixed_sizes, max_num_seqs)
+        max_blocks = (max_model_len + block_size - 1) // block_size
+        self.inputs = GraphInputs(max(k.tokens for k in self.keys), max(k.seqs for k in self.keys), max_blocks,
+                                  device, padding_slot)
+        hidden_size = model.config.hidden_size
+        dtype = next(model.parameters()).dtype
+        self.hidden = torch.zeros(self.inputs.max_tokens, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.capture_s, self.capture_bytes = 0.0, 0  # set by capture()
+        self._pool = None  # the private memory pool all graphs share
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        # Host-side fields describe the worst case: kernels size their grids from them, never from data.
-        meta = AttentionMetadata(self.slot_mapping[:bs], self.query_start[:bs + 1], self.seq_lens[:bs],
-                                 self.block_tables[:bs], list(range(bs + 1)), [self.max_model_len] * bs,
-                                 1, self.max_model_len)
-        if self.state_slots is not None:
-            meta.state_slots, meta.has_initial_state = self.state_slots[:bs], self.has_initial_state[:bs]
-            meta.state_slots_cpu = [self.padding_slot] * bs
-        return meta
+    @property
+    def state_slots(self) -> torch.Tensor | None:
+        return self.inputs.state_slots
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.logits_indices[:bs])
+    # ---- the captured body (runs eagerly on any device, which is how the CPU tests check it) ---------------
+    def body(self, key: GraphKey, exact_host: bool = False) -> torch.Tensor:
+        """The backbone over key's padded rows, written into the shared hidden buffer; returns that view."""
+        tp = key.tokens
+        meta = self.inputs.metadata(key, self.max_model_len, exact_host)
+        hidden = self.model.hidden_states(self.inputs.input_ids[:tp], self.inputs.positions[:tp], meta)
+        self.hidden[:tp].copy_(hidden)
+        return self.hidden[:tp]
 
+    def pick(self, batch) -> GraphKey | None:
+        meta = batch.attn
+        key = choose_key(batch.input_ids.shape[0], meta.num_seqs, meta.is_decode_only, self.decode_sizes,
+                         self.mixed_sizes, self.max_num_seqs, meta.max_seq_len)
+        return key if key is not None and self.inputs.fits(batch, key) else None
+
+    def logits(self, batch, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+    @torch.inference_mode()
+    def run_eager(self, batch, key: GraphKey | None = None) -> torch.Tensor:
+        """What a replay computes, run without a graph (exact host fields off CUDA, for the reference)."""
+        key = key or self.pick(batch)
+        self.inputs.load(batch, key)
+        return self.logits(batch, self.body(key, exact_host=self.device.type != "cuda"))
+
+    # ---- CUDA --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        pool = None
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        self._pool = None
         stream = torch.cuda.Stream(self.device)
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compiles, allocator settles
-                    self._forward(bs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self._forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        # Largest first, so smaller graphs reuse the pool's blocks; mixed graphs are the largest.
+        for key in sorted(self.keys, key=lambda k: (k.tokens, not k.decode), reverse=True):
+            if key.decode:
+                self._capture(key, stream)
+                continue
+            if not self.mixed_sizes:
+                continue
+            try:
+                self._capture(key, stream)
+            except Exception:  # keep serving with decode graphs; the log says why
+                log.exception("capturing the mixed-step graph of %d tokens failed: mixed steps run eagerly", key.tokens)
+                torch.cuda.synchronize(self.device)
+                self.graphs = {k: g for k, g in self.graphs.items() if k.decode}
+                self.mixed_sizes, self._pool = [], None
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        self.capture_s = time.perf_counter() - start
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - before
+        log.warning("captured %d CUDA graphs (decode batch sizes %s; mixed token counts %s) in %.2f s, %.2f GiB",
+                    len(self.graphs), self.decode_sizes, self.mixed_sizes or "none", self.capture_s,
+                    self.capture_bytes / 2**30)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        meta = batch.attn
-        n = meta.num_seqs
-        return (meta.is_decode_only and n <= self.max_bs and batch.logits_indices.shape[0] == n
-                and meta.block_tables.shape[1] <= self.max_blocks
-                and (meta.state_slots is None) == (self.state_slots is None))
+    def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
+        self.inputs.reset(key)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2 if key.decode else 1):  # warm-up: Triton compiles, cuBLAS picks, allocator settles
+                self.body(key)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            self.body(key)
+        self._pool = graph.pool()
+        self.graphs[key] = graph
+
+    def can_run(self, batch) -> bool:
+        return self.pick(batch) is not None
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        meta = batch.attn
-        n = meta.num_seqs
-        bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[n:bs].fill_(1)
-        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
-        if self.state_slots is not None:
-            self.state_slots[:n].copy_(meta.state_slots, non_blocking=True)
-            self.state_slots[n:bs].fill_(self.padding_slot)
-            self.has_initial_state[:n].copy_(meta.has_initial_state, non_blocking=True)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+    def run(self, batch) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32, as the eager forward returns them."""
+        key = self.pick(batch)
+        self.inputs.load(batch, key)
+        self.graphs[key].replay()
+        return self.logits(batch, self.hidden)

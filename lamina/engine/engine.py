@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.config import EngineConfig
-from lamina.engine.build import build_decode_graphs, build_pools, load_model_and_tokenizer
+from lamina.engine.build import build_graphs, build_pools, load_model_and_tokenizer
 from lamina.engine.detokenizer import Detokenizer, initial_state
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
 from lamina.engine.memory import resolve_device, resolve_dtype
@@ -65,7 +65,7 @@ class LLMEngine:
                                    self.state_pool.allocator if self.state_pool is not None else None,
                                    self.prefix_cache)
         self.runner = ModelRunner(self.model, bs, self.device)
-        self.runner.graphs = build_decode_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
+        self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)

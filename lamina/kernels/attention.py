@@ -88,9 +88,10 @@ def _plan(meta: AttentionMetadata, bs: int, sliding_window: int | None, device: 
     if key in meta.ref_plans:
         return meta.ref_plans[key]
     qs, lens = meta.query_start_cpu, meta.seq_lens_cpu
-    decode = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1]
+    # seq_len 0 marks a padding sequence (CUDA-graph batches): no keys, zeros out.
+    decode = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1 and lens[i] > 0]
     groups = [decode] if decode else []
-    groups += [[i] for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > 1]
+    groups += [[i] for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > 1 and lens[i] > 0]
     plans = []
     for rows in groups:
         qlen = qs[rows[0] + 1] - qs[rows[0]]
@@ -112,7 +113,8 @@ def _plan(meta: AttentionMetadata, bs: int, sliding_window: int | None, device: 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, Dv], reading all K/V (this step's included) from the pool."""
-    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    alloc = torch.zeros if 0 in meta.seq_lens_cpu else torch.empty
+    out = alloc(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
     for g in _plan(meta, k_cache.shape[1], sliding_window, q.device):
         # Decode rows share one batched gather; each prefill runs alone (its query length differs).
         k, v = k_cache[g.blocks].flatten(1, 2), v_cache[g.blocks].flatten(1, 2)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.attention_launch import launch_of
+
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # 64 splits of a 32k context were slower than 32 (55.7 vs 52.5 us, H200, GPU_KERNELS.md)
 
@@ -157,20 +159,26 @@ def _decode_reduce_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr, qs_ptr, num_q_heads, st
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num_seqs, scale_log2, window,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, nseq_ptr, num_seqs, scale_log2,
+                    window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
                     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, SLIDING: tl.constexpr,
-                    SKIP_DECODE: tl.constexpr, DOT_PREC: tl.constexpr):
+                    SKIP_DECODE: tl.constexpr, HAS_NSEQ: tl.constexpr, DOT_PREC: tl.constexpr):
     # Last tiles first: they see the most keys, and starting them early shortens the tail.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     # Sequence b's query tiles are numbered from query_start[b] // BLOCK_Q + b: monotone in b and at most
     # T // BLOCK_Q + B tiles in all, so the grid needs only host shapes; a binary search finds b.
-    lo: tl.int32 = 0
     hi = num_seqs
+    if HAS_NSEQ:
+        # A graph's batch is padded with empty sequences: only the first nseq are in use, and the tiles
+        # numbered past theirs (the first programs launched) exit after two loads instead of a search.
+        hi = tl.load(nseq_ptr)
+        if tile >= tl.load(qs_ptr + hi) // BLOCK_Q + hi:
+            return
+    lo: tl.int32 = 0
     while lo < hi:
         mid = (lo + hi) // 2
         if tl.load(qs_ptr + mid) // BLOCK_Q + mid <= tile:
@@ -188,6 +196,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
             return
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - qlen
+    pad = seq_len == 0  # a padding sequence (graph replay): zeros out, no key read
 
     r = tl.arange(0, BLOCK_M)
     tok = qb * BLOCK_Q + r // G_PAD
@@ -198,10 +207,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
     q_off = (q_start + tok).to(tl.int64) * stride_qt + qh * stride_qh
     qt = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
 
-    kv_end = prefix + tl.minimum(qlen, (qb + 1) * BLOCK_Q)
+    kv_end = tl.where(pad, 0, prefix + tl.minimum(qlen, (qb + 1) * BLOCK_Q))
     kv_start = 0
     if SLIDING:
-        kv_start = tl.maximum(prefix + qb * BLOCK_Q - window + 1, 0)
+        kv_start = tl.where(pad, 0, tl.maximum(prefix + qb * BLOCK_Q - window + 1, 0))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -209,7 +218,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     # Whole key tiles before the tile's first query are visible to every row: no causal mask there
     # (nor any mask without a sliding window), which spares the elementwise work on most tiles.
-    full_end = kv_start + (prefix + qb * BLOCK_Q - kv_start) // BLOCK_N * BLOCK_N
+    full_end = tl.where(pad, 0, kv_start + (prefix + qb * BLOCK_Q - kv_start) // BLOCK_N * BLOCK_N)
     for kstart in range(kv_start, full_end, BLOCK_N):
         kpos = kstart + n
         kmask = kpos < kv_end
@@ -301,7 +310,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, tune: dict[str, int] | None = None,
                            poison_workspace: bool = False) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, Dv]. The keyword-only arguments exist for tests and tuning sweeps
-    (`tune` overrides fields of Tiles)."""
+    (`tune` overrides fields of Tiles).
+
+    Which kernels run comes from `launch_of(meta)`: the host fields of an eager step, or the fixed plan a
+    CUDA-graph runner's metadata carries (then the grids depend only on q's shape and meta.num_seqs, and
+    rows are told apart on the device; see attention_launch.py). Sequences with seq_len 0 are padding:
+    both kernels write zeros for their rows and read no K/V."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -313,12 +327,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     b = meta.num_seqs
     if t == 0 or b == 0:
         return out
-    qs_cpu = meta.query_start_cpu
-    if meta.is_decode_only:
-        have_decode, have_prefill = True, False
-    else:
-        qlens = [qs_cpu[i + 1] - qs_cpu[i] for i in range(b)]
-        have_decode, have_prefill = 1 in qlens, meta.max_query_len > 1
+    launch = launch_of(meta)
+    have_decode, have_prefill = launch.decode, launch.prefill
     sliding = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if sliding else 0
     scale_log2 = float(scale) * _LOG2E
@@ -353,10 +363,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_m = max(tiles.prefill_block_m, g_pad)
         block_q = block_m // g_pad
         grid = (t // block_q + b, hkv)
+        nseq = launch.num_seqs
         _prefill_kernel[grid](
-            q, k_cache, v_cache, out, bt, seq_lens, qs, b, scale_log2, window,
+            q, k_cache, v_cache, out, bt, seq_lens, qs, qs if nseq is None else nseq, b, scale_log2, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
             G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.prefill_block_n, D=d, BLOCK_D=block_d,
-            DV=dv, BLOCK_DV=block_dv, PAGE=page, SLIDING=sliding, SKIP_DECODE=have_decode, DOT_PREC=prec,
+            DV=dv, BLOCK_DV=block_dv, PAGE=page, SLIDING=sliding, SKIP_DECODE=have_decode, HAS_NSEQ=nseq is not None,
+            DOT_PREC=prec,
             num_warps=tiles.prefill_warps, num_stages=tiles.prefill_stages)
     return out

@@ -1,0 +1,128 @@
+"""The static inputs CUDA graphs read, and how one step's batch is padded into them (runs on any device, so
+the padding is tested on the CPU).
+
+Every graph reads prefixes of the same buffers (stable addresses); a step copies its batch into them and
+writes the padding:
+- token rows [T, T_pad): slot -1 (no KV write), stale ids and positions (any valid value will do);
+- decode graphs: the padded sequences [B, B_pad) keep query length 1 (static query_start 0..B_pad) and get
+  seq_len 0 (no key read; zeros out);
+- mixed graphs: sequence slot B owns the padding rows (query_start[B + 1:] = T_pad) with seq_len 0, and the
+  slots after it are empty (query length 0). `num_seqs` on the device holds B + 1, so the prefill kernel's
+  programs numbered past the used sequences exit at once.
+Padded rows thus come out of attention as zeros and stay finite through every row-wise layer; nothing reads
+them afterwards (the runner samples real rows only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.engine.graph_keys import GraphKey
+from lamina.kernels.attention import AttentionMetadata
+from lamina.kernels.attention_launch import AttentionLaunch
+
+
+@dataclass
+class GraphMetadata(AttentionMetadata):
+    """AttentionMetadata whose kernel choice is fixed by the graph key (see attention_launch.py)."""
+
+    launch: AttentionLaunch | None = None
+
+
+class GraphInputs:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
+                 padding_slot: int | None = None) -> None:
+        kw = {"device": device}
+        self.padding_slot = padding_slot
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, **kw)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, **kw)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, **kw)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, **kw)
+        self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, **kw)
+        self.decode_query_start = torch.arange(max_seqs + 1, dtype=torch.int32, **kw)  # never written
+        self.mixed_query_start = torch.zeros(max_seqs + 1, dtype=torch.int32, **kw)
+        self.num_seqs = torch.ones(1, dtype=torch.int32, **kw)
+        self.state_slots = self.has_initial_state = None
+        if padding_slot is not None:  # hybrid models: padded rows use the state pool's padding slot
+            self.state_slots = torch.full((max_seqs,), padding_slot, dtype=torch.long, **kw)
+            self.has_initial_state = torch.ones(max_seqs, dtype=torch.bool, **kw)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_tables.shape[1]
+
+    def fits(self, batch, key: GraphKey) -> bool:
+        meta = batch.attn
+        return (key.tokens <= self.max_tokens and key.seqs <= self.max_seqs
+                and meta.block_tables.shape[1] <= self.max_blocks
+                and (meta.state_slots is None) == (self.state_slots is None)
+                and (key.decode or self.state_slots is None))
+
+    def load(self, batch, key: GraphKey) -> None:
+        """Copies a step's batch (a runner ForwardBatch) into the buffers and writes key's padding.
+
+        Device-to-device copies and fills only: no host sync, and the batch may still be in flight."""
+        meta = batch.attn
+        t, b, tp, bp = batch.input_ids.shape[0], meta.num_seqs, key.tokens, key.seqs
+        assert t <= tp and b <= bp - (not key.decode), (t, b, key)
+        nb = {"non_blocking": True}
+        self.input_ids[:t].copy_(batch.input_ids, **nb)
+        self.positions[:t].copy_(batch.positions, **nb)
+        self.slot_mapping[:t].copy_(meta.slot_mapping, **nb)
+        self.slot_mapping[t:tp].fill_(-1)
+        self.seq_lens[:b].copy_(meta.seq_lens, **nb)
+        self.seq_lens[b:bp].fill_(0)
+        # Columns past the batch's width keep stale ids: kernels read block-table entries below seq_len only.
+        self.block_tables[:b, : meta.block_tables.shape[1]].copy_(meta.block_tables, **nb)
+        if not key.decode:
+            self.mixed_query_start[: b + 1].copy_(meta.query_start, **nb)
+            self.mixed_query_start[b + 1: bp + 1].fill_(tp)
+            self.num_seqs.fill_(b + 1)
+        if self.state_slots is not None:
+            self.state_slots[:b].copy_(meta.state_slots, **nb)
+            self.state_slots[b:bp].fill_(self.padding_slot)
+            self.has_initial_state[:b].copy_(meta.has_initial_state, **nb)
+            self.has_initial_state[b:bp].fill_(True)
+
+    def reset(self, key: GraphKey) -> None:
+        """A batch of padding only (what warm-up and capture run on): no KV writes, zeros out of attention."""
+        tp, bp = key.tokens, key.seqs
+        self.slot_mapping[:tp].fill_(-1)
+        self.seq_lens[:bp].fill_(0)
+        if not key.decode:
+            self.mixed_query_start[0] = 0
+            self.mixed_query_start[1: bp + 1].fill_(tp)
+            self.num_seqs.fill_(1)
+        if self.state_slots is not None:
+            self.state_slots[:bp].fill_(self.padding_slot)
+
+    def metadata(self, key: GraphKey, max_model_len: int, exact_host: bool = False) -> GraphMetadata:
+        """The metadata a graph of `key` is captured with. Its host fields describe the key, not a step:
+        kernels take their choice from `launch` and their grids from shapes. exact_host=True reads the
+        buffers back instead (a host sync), for running the body through the torch reference on a CPU."""
+        tp, bp = key.tokens, key.seqs
+        qs = (self.decode_query_start if key.decode else self.mixed_query_start)[: bp + 1]
+        if exact_host:
+            qs_cpu, lens_cpu = qs.tolist(), self.seq_lens[:bp].tolist()
+            max_q = max(qs_cpu[i + 1] - qs_cpu[i] for i in range(bp))
+            max_seq = max(lens_cpu)
+        else:
+            # Mixed graphs: query lengths are data, so the host list stays empty (a reader fails loudly).
+            qs_cpu, lens_cpu = (list(range(bp + 1)) if key.decode else []), [max_model_len] * bp
+            max_q, max_seq = (1 if key.decode else tp), max_model_len
+        launch = AttentionLaunch(True, False) if key.decode else AttentionLaunch(True, True, self.num_seqs)
+        meta = GraphMetadata(self.slot_mapping[:tp], qs, self.seq_lens[:bp], self.block_tables[:bp], qs_cpu,
+                             lens_cpu, max_q, max_seq, launch=launch)
+        if self.state_slots is not None:
+            meta.state_slots, meta.has_initial_state = self.state_slots[:bp], self.has_initial_state[:bp]
+            meta.state_slots_cpu = self.state_slots[:bp].tolist() if exact_host else [self.padding_slot] * bp
+        return meta
