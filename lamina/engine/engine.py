@@ -26,6 +26,7 @@ from lamina.engine.runner import ModelRunner
 from lamina.engine.sampler import Sampler, needs_history
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.scheduler import Scheduler, SchedulerOutput
+from lamina.engine.startup import StartupTimer
 from lamina.engine.stop import apply_stop_strings, check_token_stop
 from lamina.kernels.dispatch import triton_available
 from lamina.models.loader import load_model, load_tokenizer, read_config, resolve_source
@@ -52,6 +53,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
+        timer = StartupTimer()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         source = resolve_source(config.model)
@@ -59,6 +61,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer)
         max_pos = max(self.model_config.max_position_embeddings, config.max_model_len or 0)
         self.model = load_model(source, self.model_config, reader, self.dtype, self.device, max_pos, progress)
+        timer.phase("weights")
         del reader
         # Hybrid models: state slots for every sequence that can run (allocated before the KV pool is sized,
         # so on CUDA the KV budget sees the memory they take).
@@ -80,8 +83,10 @@ class LLMEngine:
 
             peak = profile_peak_bytes(self.model, config.max_num_batched_tokens, config.max_num_seqs, bs,
                                       self.dtype, self.device)
+            timer.phase("profiling")
         num_blocks = plan_kv_blocks(config, KVCache.bytes_per_block(self.model, bs, self.dtype), self.device, peak)
         self.kv_cache = KVCache(self.model, num_blocks, bs, self.dtype, self.device)
+        timer.phase("KV planning")
         pool_tokens = num_blocks * bs
         if config.max_model_len is not None and config.max_model_len > pool_tokens:
             raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV pool ({pool_tokens} tokens)")
@@ -107,6 +112,7 @@ class LLMEngine:
             self.runner.graphs = CudaGraphRunner(self.model, config.max_num_seqs, self.max_model_len, bs, self.device,
                                                  pad)
             self.runner.graphs.capture()
+            timer.phase("graph capture")
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
