@@ -300,6 +300,8 @@ class CoreClient:
             if self._dead is not None:
                 return
             self._dead = reason
+            if not self._closing:
+                log.error("%s: failing %d request(s) in flight; /health now answers 503", reason, len(self._streams))
             self._fail_local(EngineError(reason), EngineDeadError(reason))
         self._ready.set()  # a start() still waiting must not wait on
 

@@ -28,7 +28,12 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _interrupt(sig: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
     import time
 
     import uvicorn
@@ -44,11 +49,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     names = args.served_model_name or [args.model]
     # The engine core process loads the model before the port is bound, so /health answering means ready.
+    # A signal during loading ends it quietly (the core process goes with make_state's clean-up).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         state = make_state(EngineConfig(**engine_kwargs(args)), names, args.api_key)
     except (RuntimeError, ValueError) as e:
         log.error("lamina serve: %s", e)
         return 1
+    except KeyboardInterrupt:
+        log.warning("lamina serve: interrupted during start-up")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     app = build_app(state)
     info = state.engine.info
 
