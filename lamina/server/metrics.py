@@ -7,10 +7,17 @@ sends it with the engine's stats in that step's message; the core client's recei
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from lamina.engine.ipc import IterationStats
 from lamina.engine.engine import EngineStats
+from lamina.engine.ipc import IterationStats
 
 # Buckets (seconds) wide enough for a 2-core CPU, where a step under load takes seconds, and fine enough
 # for a GPU, where tokens come every few milliseconds.

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from server_helpers import Server, free_port, read_metrics
 
 TINY = "random:tiny-llama"
@@ -86,16 +85,16 @@ class StreamReader(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.Client(timeout=60) as http:
-                with http.stream("POST", self.server.api_url + "/completions", json=_body(self.max_tokens, True)) as r:
-                    assert r.status_code == 200
-                    self.started.set()  # headers are out (a model without a tokenizer streams no text)
-                    for line in r.iter_lines():
-                        if line == "data: [DONE]":
-                            self.done = True
-                        elif line.startswith("data: "):
-                            self.events.append(json.loads(line[6:]))
-        except BaseException as e:  # reported by the test
+            with httpx.Client(timeout=60) as http, \
+                    http.stream("POST", self.server.api_url + "/completions", json=_body(self.max_tokens, True)) as r:
+                assert r.status_code == 200
+                self.started.set()  # headers are out (a model without a tokenizer streams no text)
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        self.events.append(json.loads(line[6:]))
+        except Exception as e:  # reported by the test
             self.error = e
         finally:
             self.started.set()
