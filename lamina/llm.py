@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from tqdm import tqdm
 

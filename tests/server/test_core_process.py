@@ -94,7 +94,7 @@ class StreamReader(threading.Thread):
                         self.done = True
                     elif line.startswith("data: "):
                         self.events.append(json.loads(line[6:]))
-        except Exception as e:  # reported by the test
+        except Exception as e:  # noqa: BLE001 (reported by the test)
             self.error = e
         finally:
             self.started.set()
