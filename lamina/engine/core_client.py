@@ -124,8 +124,11 @@ class CoreClient:
         with self._lock:
             self._closing = True
             self._fail_local(EngineDeadError("the engine is shutting down"), EngineDeadError("the engine is shutting down"))
-            if self._dead is None:
+            loading = not self._ready.is_set()
+            if self._dead is None and not loading:
                 self._send_locked(Shutdown())
+        if loading:  # still loading the model: it reads no messages yet, and nothing it holds is in use
+            self.backend.kill()
         self.backend.stop(timeout)
         if self._receiver is not None:
             self._receiver.join(timeout)
@@ -268,7 +271,6 @@ class CoreClient:
             self.last_stats = EngineStats(0, 0, msg.info.num_total_blocks, msg.info.num_total_blocks)
             self._ready.set()
         elif isinstance(msg, CoreFailed):
-            log.error("engine core: %s", msg.message)
             self._die(msg.message)
 
     def _on_step(self, msg: StepOutputs) -> None:
@@ -300,7 +302,7 @@ class CoreClient:
             if self._dead is not None:
                 return
             self._dead = reason
-            if not self._closing:
+            if not self._closing and self._ready.is_set():  # (a start-up failure is raised by wait_ready)
                 log.error("%s: failing %d request(s) in flight; /health now answers 503", reason, len(self._streams))
             self._fail_local(EngineError(reason), EngineDeadError(reason))
         self._ready.set()  # a start() still waiting must not wait on

@@ -163,6 +163,7 @@ def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level
     except BaseException as e:  # the server reports it and exits; no traceback for a config error
         log.debug("engine core start-up failed", exc_info=True)
         outbox.send(codec.encode(CoreFailed(f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))))
+        inbox.close(0)
         outbox.close()
         ctx.term()
         sys.exit(1)
