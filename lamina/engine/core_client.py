@@ -126,7 +126,10 @@ class CoreClient:
             self._fail_local(EngineDeadError("the engine is shutting down"), EngineDeadError("the engine is shutting down"))
             loading = not self._ready.is_set()
             if self._dead is None and not loading:
-                self._send_locked(Shutdown())
+                try:
+                    self._send_locked(Shutdown())
+                except EngineDeadError:  # not reading: stop() below kills it after the timeout
+                    pass
         if loading:  # still loading the model: it reads no messages yet, and nothing it holds is in use
             self.backend.kill()
         self.backend.stop(timeout)
