@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from tqdm import tqdm
 
 from lamina.config import EngineConfig
+from lamina.engine.core import EngineCore
 from lamina.engine.engine import LLMEngine
+from lamina.engine.ipc import IterationStats
 from lamina.models.loader import DEFAULT_MODEL
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
@@ -18,7 +21,9 @@ Prompt = str | list[int] | dict[str, Any]
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, progress: bool = True, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress=progress)
-        self.engine.stream_outputs = False  # generate() returns finished requests only
+        # In-process, but through the same core the server's engine process runs (without its channels);
+        # generate() returns finished requests only, so the core does not stream every step's progress.
+        self.core = EngineCore(self.engine, stream_outputs=False)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -36,11 +41,10 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params_list):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.core.add(rid, prompt, p)
                 ids.append(rid)
         except Exception:
-            for rid in ids:  # leave the engine as it was: nothing half-queued
-                self.engine.abort_request(rid)
+            self.core.abort(ids)  # leave the engine as it was: nothing half-queued
             raise
         return self._run(ids, use_tqdm)
 
@@ -50,14 +54,13 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                for out in self.core.step(IterationStats(), contain_failures=False):
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
         finally:
             bar.close()
-            for rid in wanted - done.keys():
-                self.engine.abort_request(rid)
+            self.core.abort(list(wanted - done.keys()))
         return [done[rid] for rid in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

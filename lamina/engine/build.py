@@ -18,6 +18,7 @@ from lamina.cache.state_pool import StatePool
 from lamina.cache.state_snapshots import StateSnapshots
 from lamina.config import EngineConfig
 from lamina.engine.memory import default_num_snapshots, plan_kv_blocks
+from lamina.engine.startup import StartupTimer
 from lamina.kernels.dispatch import triton_available
 from lamina.models.config import ModelConfig
 from lamina.models.loader import load_model, load_tokenizer, read_config, resolve_source
@@ -93,23 +94,28 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, pool_
 
 
 def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
-                device: torch.device) -> Pools:
+                device: torch.device, timer: StartupTimer | None = None) -> Pools:
     layout = StateLayout.collect(model.state_layers(), dtype)
     state_pool = build_state_pool(layout, config, device)
     snapshots = build_snapshots(layout, state_pool, config, device)
     peak = step_peak_bytes(model, layout, config, device)
+    if timer is not None and peak:
+        timer.phase("profiling")
     kv = build_kv_cache(layout, config, device, peak)
+    if timer is not None:
+        timer.phase("KV planning")
     pool_tokens = kv.num_blocks * config.block_size
     max_model_len = resolve_max_model_len(config, model_config, pool_tokens)
-    log.warning("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
-                kv.num_blocks, config.block_size, pool_tokens, kv.nbytes / 2**30, peak / 2**30)
+    log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
+             kv.num_blocks, config.block_size, pool_tokens, kv.nbytes / 2**30, peak / 2**30)
     return Pools(layout, kv, state_pool, snapshots, max_model_len)
 
 
 def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: int,
                  state_pool: StatePool | None, device: torch.device):
-    """Captured CUDA graphs (decode steps, and mixed steps of attention-only models), or None (CPU, enforce_eager, or state layers without the Triton kernels:
-    the torch references build index tensors from host lists, which a graph cannot replay)."""
+    """Captured CUDA graphs (decode steps, and mixed steps of attention-only models), or None (CPU,
+    enforce_eager, or state layers without the Triton kernels: the torch references build index tensors from
+    host lists, which a graph cannot replay)."""
     if device.type != "cuda" or config.enforce_eager or (state_pool is not None and not triton_available()):
         return None
     from lamina.engine.cuda_graph import CudaGraphRunner

@@ -22,6 +22,7 @@ from lamina.engine.runner import ModelRunner
 from lamina.engine.sampler import Sampler, needs_history
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.scheduler import Scheduler, SchedulerOutput
+from lamina.engine.startup import StartupTimer
 from lamina.engine.stop import apply_stop_strings, check_token_stop
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
@@ -46,12 +47,14 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
+        timer = StartupTimer()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config, self.tokenizer, self.model = load_model_and_tokenizer(config, self.dtype, self.device,
                                                                                  progress)
+        timer.phase("weights")
         # KV blocks, state slots and snapshots, sized from the state the layers declare and bound into them.
-        pools = build_pools(config, self.model, self.model_config, self.dtype, self.device)
+        pools = build_pools(config, self.model, self.model_config, self.dtype, self.device, timer)
         self.state_layout, self.kv_cache = pools.layout, pools.kv_cache
         self.state_pool, self.snapshots = pools.state_pool, pools.snapshots
         self.max_model_len = pools.max_model_len
@@ -66,6 +69,8 @@ class LLMEngine:
                                    self.prefix_cache)
         self.runner = ModelRunner(self.model, bs, self.device)
         self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
+        if self.runner.graphs is not None:
+            timer.phase("graph capture")
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)

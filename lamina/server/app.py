@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from lamina.config import EngineConfig
 from lamina.engine.async_engine import AsyncEngine
 from lamina.engine.engine import LLMEngine
 from lamina.server.chat import chat_prompt, create_chat_completion
@@ -19,12 +20,38 @@ from lamina.server.responses import ModelCard, ModelList
 from lamina.server.serving import ServerState
 
 
-def make_state(engine: LLMEngine, model_names: list[str], api_key: str | None = None) -> ServerState:
-    """Wraps an engine for serving; the AsyncEngine starts with the app (lifespan)."""
+def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key: str | None = None) -> ServerState:
+    """Wraps an engine for serving. An EngineConfig gets an engine core process of its own, started here (it
+    loads the model while this process loads the tokenizer; returns once the core is ready): what `lamina
+    serve` does. An LLMEngine built in this process is served by a core thread that starts with the app
+    (lifespan): for tests, which reach inside it."""
     metrics = ServerMetrics(model_names[0])
+    if isinstance(engine, EngineConfig):
+        client = AsyncEngine.spawn(engine, observer=metrics, wait=False)
+        try:
+            tokenizer = load_engine_tokenizer(engine)
+            client.wait_ready()
+        except BaseException:
+            client.shutdown(timeout=5)
+            raise
+        info = client.info
+        return ServerState(engine=client, tokenizer=tokenizer, model_names=model_names, model_root=engine.model,
+                           max_model_len=info.max_model_len, vocab_size=info.vocab_size, metrics=metrics,
+                           api_key=api_key)
     return ServerState(engine=AsyncEngine(engine, observer=metrics), tokenizer=copy.deepcopy(engine.tokenizer),
                        model_names=model_names, model_root=engine.config.model, max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size, metrics=metrics, api_key=api_key)
+
+
+def load_engine_tokenizer(config: EngineConfig):
+    """The tokenizer the engine of `config` uses, loaded in this process (None for `random:` models)."""
+    from lamina.models.loader import load_tokenizer, resolve_source
+
+    if config.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.tokenizer)
+    return load_tokenizer(resolve_source(config.model))
 
 
 class _ErrorCounter:

@@ -1,15 +1,23 @@
 """Prometheus metrics with vLLM-like `lamina:` names, kept in a per-app registry.
 
-The engine thread feeds them after every iteration (AsyncEngine's observer hook): token counters and latency
-histograms from what the iteration produced, gauges from the engine's stats. A per-app CollectorRegistry
+The engine core measures every iteration (core.py: token counts and latencies, timed next to the engine) and
+sends it with the engine's stats in that step's message; the core client's receiver thread feeds them here
+(the observer hook): counters and histograms from the iteration, gauges from the stats. A per-app CollectorRegistry
 (not the global one) lets several apps live in one process (tests).
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from lamina.engine.async_engine import IterationStats
 from lamina.engine.engine import EngineStats
+from lamina.engine.ipc import IterationStats
 
 # Buckets (seconds) wide enough for a 2-core CPU, where a step under load takes seconds, and fine enough
 # for a GPU, where tokens come every few milliseconds.
@@ -72,7 +80,7 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
 
     def on_iteration(self, it: IterationStats, stats: EngineStats) -> None:
-        """Called on the engine thread (prometheus_client metrics are thread-safe)."""
+        """Called on the core client's receiver thread (prometheus_client metrics are thread-safe)."""
         m = self._model
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)

@@ -54,7 +54,8 @@ def test_disconnect_mid_stream_frees_everything(server):
         with http.stream("POST", server.api_url + "/completions", json=_long_request(True)) as r:
             assert r.status_code == 200
             got = 0
-            for line in r.iter_lines():
+            lines = r.iter_lines()  # held: a dropped iterator would close the connection at the break
+            for line in lines:
                 if line.startswith("data: ") and line != "data: [DONE]":
                     assert json.loads(line[6:])["choices"]
                     got += 1
