@@ -37,7 +37,7 @@ def _time(fn, repeats: int, device: torch.device) -> float:
 
 
 def cmd_gdn_prefill(args: argparse.Namespace) -> int:
-    from lamina.bench.cli import _hardware, _report
+    from lamina.bench.report import hardware as _hardware, report as _report
     from lamina.kernels.attention import AttentionMetadata
     from lamina.kernels.gated_delta import chunk_gated_delta_rule_ref, gated_delta_rule_varlen
 

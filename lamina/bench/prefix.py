@@ -13,7 +13,7 @@ from lamina.sampling_params import SamplingParams
 
 
 def add_prefix_bench_parser(bsub) -> None:
-    from lamina.cli import add_engine_args
+    from lamina.args import add_engine_args
 
     p = bsub.add_parser("prefix", help="shared-prefix workload with the prefix cache on and off")
     add_engine_args(p)
@@ -81,8 +81,8 @@ def _run(kwargs: dict, args, cache: bool) -> dict:
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
-    from lamina.bench.cli import _report
-    from lamina.cli import engine_kwargs
+    from lamina.args import engine_kwargs
+    from lamina.bench.report import report as _report
 
     kwargs = engine_kwargs(args)
     on, off = _run(kwargs, args, True), _run(kwargs, args, False)

@@ -86,7 +86,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > pool_tokens:
             raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV pool ({pool_tokens} tokens)")
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, pool_tokens)
-        log.warning("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
+        log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
                     num_blocks, bs, pool_tokens, num_blocks * KVCache.bytes_per_block(self.model, bs, self.dtype)
                     / 2**30, peak / 2**30)
         self.allocator = BlockAllocator(num_blocks)
@@ -150,7 +150,7 @@ class LLMEngine:
         """Validates and queues a request; raises ValueError (and changes nothing) on bad input."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params.validate()
+        params.validate(self.model_config.vocab_size)  # ids and top_k against the vocabulary
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty")

@@ -5,21 +5,31 @@ import argparse
 import logging
 import os
 
+from lamina.args import (HelpFormatter, add_engine_args, add_generation_config_arg, engine_kwargs, port_number,
+                         positive_float)
+
 log = logging.getLogger("lamina.server")
 
 
 def add_serve_parser(sub) -> None:
-    from lamina.cli import add_engine_args
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
     add_engine_args(p, positional_model=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to (default: the model argument); the first is reported")
     p.add_argument("--api-key", default=os.environ.get("LAMINA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
                         "(default: $LAMINA_API_KEY, or no key)")
+    add_generation_config_arg(p)
+    p.add_argument("--max-request-body-mb", type=positive_float, default=4.0,
+                   help="larger request bodies get a 413")
+    p.add_argument("--header-timeout", type=positive_float, default=10.0,
+                   help="seconds a connection may take to send a request's line and headers before it is closed")
+    p.add_argument("--body-timeout", type=positive_float, default=30.0,
+                   help="seconds a request may take to send its body, once its headers are in (then a 408)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (default: off; behind --api-key when one is set)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
@@ -28,17 +38,32 @@ def add_serve_parser(sub) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from lamina.cli import engine_kwargs
     from lamina.config import EngineConfig
     from lamina.engine.engine import LLMEngine
-    from lamina.server.app import build_app, make_state
+    from lamina.generation_config import model_defaults
+    from lamina.preflight import bind_socket
+    from lamina.server.app import ServerOptions, build_app, make_state
+    from lamina.server.limits import TimeoutH11Protocol
 
-    # Load before binding the port, so /health answering means the model is ready.
+    sock = bind_socket(args.host, args.port)  # a port in use fails now, not after loading the model
+    defaults = model_defaults(args.model, args.generation_config)
+    # Load before serving, so /health answering means the model is ready.
     engine = LLMEngine(EngineConfig(**engine_kwargs(args)), progress=False)
     names = args.served_model_name or [args.model]
-    app = build_app(make_state(engine, names, args.api_key))
-    log.warning("lamina serving %s as %s on http://%s:%d (max_model_len %d, %d KV blocks)", args.model,
-                names[0], args.host, args.port, engine.max_model_len, engine.stats().num_total_blocks)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_keep_alive=30)
+    options = ServerOptions(max_body_bytes=int(args.max_request_body_mb * 2**20), body_timeout=args.body_timeout,
+                            enable_docs=args.enable_docs)
+    app = build_app(make_state(engine, names, args.api_key, defaults), options)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30,
+                            http=TimeoutH11Protocol.with_timeout(args.header_timeout))
+    server = uvicorn.Server(config)
+    config_started = server.startup
+
+    async def startup(sockets=None) -> None:
+        await config_started(sockets)
+        if server.started:  # the socket listens: now say so
+            log.info("lamina serving %s as %s on http://%s:%d (max_model_len %d, %d KV blocks)", args.model,
+                     names[0], args.host, args.port, engine.max_model_len, engine.stats().num_total_blocks)
+
+    server.startup = startup
+    server.run(sockets=[sock])
     return 0
