@@ -51,7 +51,7 @@ def number_type(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str
 
 positive_int = number_type(int, lambda v: v >= 1, "an integer >= 1")
 nonnegative_int = number_type(int, lambda v: v >= 0, "an integer >= 0")
-port_number = number_type(int, lambda v: 1 <= v <= 65535, "a port number in 1..65535")
+port_number = number_type(int, lambda v: 0 <= v <= 65535, "a port number in 0..65535 (0: any free port)")
 positive_float = number_type(float, lambda v: v > 0 and v != float("inf"), "a number > 0")
 fraction = number_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 power_of_two = number_type(int, lambda v: v >= 1 and not v & (v - 1), "a power of two")

@@ -105,7 +105,7 @@ def _parse(cur: _Cursor, size: int) -> GGUFHeader:
     cur.pos = 4
     version = cur.take("<I")
     if version not in (2, 3):
-        raise GGUFError(f"{path}: unsupported GGUF version {version} (lamina reads versions 2 and 3)")
+        raise GGUFError(f"{path}: corrupt GGUF file, or an unsupported version ({version}; lamina reads 2 and 3)")
     num_tensors, num_kv = cur.take("<Q"), cur.take("<Q")
     if num_kv > size or num_tensors > size:
         raise GGUFError(f"{path}: corrupt GGUF file (implausible counts in its header)")

@@ -62,7 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await config_started(sockets)
         if server.started:  # the socket listens: now say so
             log.info("lamina serving %s as %s on http://%s:%d (max_model_len %d, %d KV blocks)", args.model,
-                     names[0], args.host, args.port, engine.max_model_len, engine.stats().num_total_blocks)
+                     names[0], args.host, sock.getsockname()[1], engine.max_model_len,
+                     engine.stats().num_total_blocks)
 
     server.startup = startup
     server.run(sockets=[sock])
