@@ -16,14 +16,6 @@ from lamina.models.builtin import DEFAULT_MODEL
 DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "half", "float")
 
 
-class CliParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line plus a pointer to --help (not the whole usage), exit 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")
-        sys.exit(2)
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where the help text already says it or there is none to show."""
 
@@ -33,6 +25,26 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
                 or action.default == argparse.SUPPRESS or not action.option_strings):
             return text
         return super()._get_help_string(action)
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line plus a pointer to --help (not the whole usage), exit 2,
+    and whose help shows each option's default (sub-command parsers inherit both)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if (action.help is None and action.option_strings and action.default is not None
+                and action.default is not False and action.default != argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"  # an option without a help text still shows its default
+        return action
+
+    def error(self, message: str):  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")
+        sys.exit(2)
 
 
 def number_type(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
