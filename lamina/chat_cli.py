@@ -50,24 +50,30 @@ def stream_reply(engine, request_id: str, prompt_ids: list[int], params, out=sys
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from lamina.generation_config import model_defaults
-    from lamina.llm import LLM, chat_prompt_ids
+    from lamina.llm import LLM
 
     params = sampling_params(args, model_defaults(args.model, args.generation_config))
     llm = LLM(**engine_kwargs(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("lamina chat: type a message, /reset to start over, Ctrl-C to stop a reply, Ctrl-D to quit.",
           file=sys.stderr)
+    try:
+        _converse(llm, params, messages, args.system)
+    except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C outside a reply: the program ends
+        print(file=sys.stderr)
+    return 0
+
+
+def _converse(llm, params, messages: list[dict], system: str | None) -> None:
+    from lamina.llm import chat_prompt_ids
+
     turn = 0
     while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
+        line = input("> ")
         if not line.strip():
             continue
         if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
+            messages = messages[:1] if system else []
             continue
         messages.append({"role": "user", "content": line})
         try:

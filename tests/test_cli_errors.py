@@ -179,3 +179,57 @@ def test_bench_throughput_one_prompt_prints_json_once():
     result, end = decoder.raw_decode(text)
     assert result["num_prompts"] == 1 and result["lamina"]["output_tokens"] == 4
     assert "{" not in text[end:]  # printed once
+
+
+def test_ctrl_c_while_loading_and_at_the_chat_prompt(checkpoints):
+    import signal
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([*lamina_cmd(), "chat", "--model", str(checkpoints["llama"]), "--kv-cache-memory-gb",
+                                 "0.01"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=ENV)
+
+    loading = start()
+    assert "loading" in loading.stderr.readline()
+    loading.send_signal(signal.SIGINT)  # while the model loads
+    _, err = loading.communicate(timeout=60)
+    assert loading.returncode == 130 and "Traceback" not in err, err
+
+    chat = start()
+    for line in chat.stderr:
+        if "type a message" in line:
+            break
+    chat.send_signal(signal.SIGINT)  # at the prompt: the program ends cleanly
+    _, err = chat.communicate(timeout=60)
+    assert chat.returncode == 0 and "Traceback" not in err, err
+
+
+def test_ctrl_c_during_a_reply_ends_only_the_reply():
+    import io
+
+    from lamina import SamplingParams
+    from lamina.chat_cli import stream_reply
+    from lamina.outputs import CompletionOutput, RequestOutput
+
+    class Engine:
+        stream_outputs = False
+
+        def __init__(self) -> None:
+            self.steps, self.aborted = 0, []
+
+        def add_request(self, rid, prompt, params) -> None:
+            self.rid = rid
+
+        def step(self):
+            self.steps += 1
+            if self.steps == 3:
+                raise KeyboardInterrupt
+            text = "ab" * self.steps
+            return [RequestOutput(self.rid, None, [1], [CompletionOutput(0, text, [1] * self.steps)], False)]
+
+        def abort_request(self, rid) -> None:
+            self.aborted.append(rid)
+
+    eng, buf = Engine(), io.StringIO()
+    text = stream_reply(eng, "c0", [1, 2], SamplingParams(), out=buf)
+    assert text == "abab" and eng.aborted == ["c0"] and buf.getvalue() == "abab [interrupted]\n"
