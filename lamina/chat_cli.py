@@ -55,9 +55,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args, model_defaults(args.model, args.generation_config))
     llm = LLM(**engine_kwargs(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("lamina chat: type a message, /reset to start over, Ctrl-C to stop a reply, Ctrl-D to quit.",
-          file=sys.stderr)
-    try:
+    try:  # the banner inside: an interrupt right after it also ends the program cleanly
+        print("lamina chat: type a message, /reset to start over, Ctrl-C to stop a reply, Ctrl-D to quit.",
+              file=sys.stderr)
         _converse(llm, params, messages, args.system)
     except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C outside a reply: the program ends
         print(file=sys.stderr)

@@ -132,6 +132,7 @@ class Scheduler:
             self.waiting.extendleft(reversed([s for s in window if id(s) not in admitted]))
 
     def _fair_order(self, window: list[Sequence]) -> list[Sequence]:
+        """The window sorted by (not preempted, the request's running + earlier-waiting sequences, arrival)."""
         running: dict[str, int] = {}
         for seq in self.running:
             running[seq.request_id] = running.get(seq.request_id, 0) + 1
@@ -147,6 +148,8 @@ class Scheduler:
 
     def _admit_in_order(self, order: list[Sequence], budget: int, scheduled: list[ScheduledSeq],
                         admitted: set[int]) -> None:
+        """Admits from `order` (ids of admitted sequences go into `admitted`) until the budget, the sequence
+        slots, the state slots or the KV pool run out."""
         passes = (True, False) if self.prefix_cache is not None else (False,)
         for hot_only in passes:
             for seq in order:
