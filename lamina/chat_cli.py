@@ -1,58 +1,79 @@
-"""`lamina chat`: an interactive chat in the terminal, streaming the reply as it is generated."""
+"""`lamina chat`: an interactive chat in the terminal, streaming the reply as it is generated.
+
+Ctrl-C during a reply ends that reply (the conversation goes on); Ctrl-C or Ctrl-D at the prompt ends the
+program. Neither prints a traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from lamina.args import HelpFormatter, add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+
+# A small chat model answering greedily falls into repetition loops; sample unless the model says otherwise.
+CHAT_FALLBACK = dict(max_tokens=512, temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, repetition_penalty=1.05)
+
 
 def add_chat_parser(sub) -> None:
-    from lamina.cli import add_engine_args, add_sampling_args
-
-    p = sub.add_parser("chat", help="interactive chat with streaming output")
+    p = sub.add_parser("chat", help="interactive chat with streaming output", formatter_class=HelpFormatter)
     add_engine_args(p)
-    add_sampling_args(p)
-    p.add_argument("--system", default=None, help="system prompt")
-    p.set_defaults(func=cmd_chat, max_tokens=512)
+    add_sampling_args(p, CHAT_FALLBACK)
+    p.add_argument("--system", default=None, help="system prompt (default: the chat template's)")
+    p.set_defaults(func=cmd_chat)
 
 
 def stream_reply(engine, request_id: str, prompt_ids: list[int], params, out=sys.stdout) -> str:
-    """Runs one request to completion, writing its text as it grows; returns the whole text."""
+    """Runs one request to completion, writing its text as it grows; returns the whole text. On Ctrl-C the
+    request is aborted and the text so far is returned (the interrupt does not propagate)."""
     engine.stream_outputs = True
     engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
     shown = 0
     text = ""
-    while True:
-        for res in engine.step():
-            if res.request_id != request_id:
-                continue
-            text = res.outputs[0].text
-            out.write(text[shown:])
-            out.flush()
-            shown = len(text)
-            if res.finished:
-                out.write("\n")
-                return text
+    try:
+        while True:
+            for res in engine.step():
+                if res.request_id != request_id:
+                    continue
+                text = res.outputs[0].text
+                out.write(text[shown:])
+                out.flush()
+                shown = len(text)
+                if res.finished:
+                    out.write("\n")
+                    return text
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        out.write(" [interrupted]\n")
+        out.flush()
+        return text
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from lamina.cli import engine_kwargs, sampling_params
-    from lamina.llm import LLM, chat_prompt_ids
+    from lamina.generation_config import model_defaults
+    from lamina.llm import LLM
 
+    params = sampling_params(args, model_defaults(args.model, args.generation_config))
     llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("lamina chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
+    try:  # the banner inside: an interrupt right after it also ends the program cleanly
+        print("lamina chat: type a message, /reset to start over, Ctrl-C to stop a reply, Ctrl-D to quit.",
+              file=sys.stderr)
+        _converse(llm, params, messages, args.system)
+    except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C outside a reply: the program ends
+        print(file=sys.stderr)
+    return 0
+
+
+def _converse(llm, params, messages: list[dict], system: str | None) -> None:
+    from lamina.llm import chat_prompt_ids
+
     turn = 0
     while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
+        line = input("> ")
         if not line.strip():
             continue
         if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
+            messages = messages[:1] if system else []
             continue
         messages.append({"role": "user", "content": line})
         try:

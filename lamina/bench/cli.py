@@ -3,23 +3,23 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
+from lamina.args import HelpFormatter, add_engine_args, engine_kwargs, nonnegative_float, number_type, positive_int
 from lamina.bench.common import free_device as _free_device
-from lamina.bench.common import hardware as _hardware
-from lamina.bench.common import report as _report
+from lamina.bench.common import hardware, report
 from lamina.bench.vllm_baseline import add_vllm_args
 
 
-def add_bench_parser(sub) -> None:
-    from lamina.cli import add_engine_args
-
-    bench = sub.add_parser("bench", help="benchmarks (offline throughput, latency, serving)")
+def add_bench_parser(sub, all_commands: bool = True) -> None:
+    """bench throughput | latency | save-random, and (all_commands) prefix | gdn-prefill | serve, whose
+    modules import torch or httpx at load (left out when another command runs, for a quick start)."""
+    bench = sub.add_parser("bench", help="benchmarks (offline throughput, latency, serving)",
+                           formatter_class=HelpFormatter)
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
-    tp = bsub.add_parser("throughput", help="offline throughput on random token-id prompts")
+    tp = bsub.add_parser("throughput", help="offline throughput on random token-id prompts",
+                         formatter_class=HelpFormatter)
     add_engine_args(tp)
-    tp.add_argument("--num-prompts", type=int, default=32)
+    tp.add_argument("--num-prompts", type=positive_int, default=32, help="prompts to run")
     tp.add_argument("--input-len", default="128", help="N or MIN:MAX (uniform)")
     tp.add_argument("--output-len", default="128", help="N or MIN:MAX (uniform)")
     tp.add_argument("--baseline", choices=["none", "hf", "vllm"], default="none",
@@ -28,42 +28,46 @@ def add_bench_parser(sub) -> None:
                     help="HF baseline: padded static batches, or continuous batching (default: GPU generate_batch, "
                          "CPU generate)")
     tp.add_argument("--hf-attn", default="sdpa", help="HF attn_implementation (sdpa, eager, paged|sdpa, ...)")
-    tp.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch size (default: all)")
-    tp.add_argument("--temperature", type=float, default=0.0,
+    tp.add_argument("--hf-batch-size", type=positive_int, default=None, help="HF generate batch size (default: all)")
+    tp.add_argument("--temperature", type=nonnegative_float, default=0.0,
                     help="lamina's sampling temperature (default 0: greedy, like the HF baseline)")
-    tp.add_argument("--result-file", default=None)
+    tp.add_argument("--result-file", default=None, help="also write the result JSON here")
     add_vllm_args(tp)
     tp.set_defaults(func=cmd_throughput)
 
-    lat = bsub.add_parser("latency", help="single-request TTFT and decode speed, with achieved bandwidth")
+    lat = bsub.add_parser("latency", help="single-request TTFT and decode speed, with achieved bandwidth",
+                          formatter_class=HelpFormatter)
     add_engine_args(lat)
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=128)
-    lat.add_argument("--repeats", type=int, default=3)
-    lat.add_argument("--baseline", choices=["none", "hf", "vllm"], default="none")
-    lat.add_argument("--hf-attn", default="sdpa")
+    lat.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens")
+    lat.add_argument("--output-len", type=number_type(int, lambda v: v >= 2, "an integer >= 2"), default=128,
+                     help="tokens to generate (>= 2)")
+    lat.add_argument("--repeats", type=positive_int, default=3, help="timed runs (the median is reported)")
+    lat.add_argument("--baseline", choices=["none", "hf", "vllm"], default="none",
+                     help="also run HF transformers, or vLLM (in a child process)")
+    lat.add_argument("--hf-attn", default="sdpa", help="HF attn_implementation")
     lat.add_argument("--peak-tflops", type=float, default=790.0,
                      help="matmul rate to compute MFU against (H200 bf16, measured: 790)")
-    lat.add_argument("--result-file", default=None)
+    lat.add_argument("--result-file", default=None, help="also write the result JSON here")
     add_vllm_args(lat)
     lat.set_defaults(func=cmd_latency)
 
     from lamina.bench.checkpoint import add_save_random_parser
-    from lamina.bench.kernels import add_kernel_bench_parser
-    from lamina.bench.prefix import add_prefix_bench_parser
-    from lamina.bench.serve import add_serve_bench_parser
 
-    add_prefix_bench_parser(bsub)
-    add_kernel_bench_parser(bsub)
-    add_serve_bench_parser(bsub)
     add_save_random_parser(bsub)
+    if all_commands:
+        from lamina.bench.kernels import add_kernel_bench_parser
+        from lamina.bench.prefix import add_prefix_bench_parser
+        from lamina.bench.serve import add_serve_bench_parser
+
+        add_prefix_bench_parser(bsub)
+        add_kernel_bench_parser(bsub)
+        add_serve_bench_parser(bsub)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
     from lamina.bench import hf_baseline, vllm_baseline
     from lamina.bench.offline import run_throughput
     from lamina.bench.workload import make_workload, parse_range
-    from lamina.cli import engine_kwargs
     from lamina.llm import LLM
 
     if args.baseline == "vllm":
@@ -72,14 +76,15 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     eng = llm.engine
     wl = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
                        eng.model_config.vocab_size)
-    result = {"command": "throughput", "model": args.model, "hardware": _hardware(eng.device),
+    result = {"command": "throughput", "model": args.model, "hardware": hardware(eng.device),
               "dtype": str(eng.dtype), "num_prompts": args.num_prompts, "input_len": args.input_len,
               "output_len": args.output_len, "prompt_tokens": wl.num_prompt_tokens,
               "temperature": args.temperature, "lamina": run_throughput(llm, wl, args.temperature)}
     device, dtype = eng.device, eng.dtype
     del llm, eng
     if args.baseline == "hf":
-        _report(result, args.result_file)  # lamina's figures survive a baseline that fails (e.g. out of memory)
+        # lamina's figures survive a baseline that fails (e.g. out of memory); printed once, at the end
+        report(result, args.result_file, show=False)
         _free_device(device)
         mode = args.hf_mode or ("generate_batch" if device.type == "cuda" else "generate")
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
@@ -94,11 +99,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         result["ratio_output_tok_s"] = result["lamina"]["output_tok_s"] / result["hf"]["output_tok_s"]
     if args.baseline == "vllm":
         vllm_baseline.compare_throughput(result, args, wl, device, dtype)
-    _report(result, args.result_file)
+    report(result, args.result_file)
     return 1 if vllm_baseline.failed(result) else 0
 
 
-def prefill_flops(model: torch.nn.Module, cfg, n: int) -> float:
+def prefill_flops(model, cfg, n: int) -> float:
     """Matmul FLOPs of a causal prefill of n tokens: 2 * active params per token (lm_head on the last row
     only), plus the attention layers' QK^T and PV. The recurrent layers' own core is left out (small)."""
     from lamina.bench.offline import active_params_per_token
@@ -115,7 +120,6 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from lamina.bench import hf_baseline, vllm_baseline
     from lamina.bench.offline import copy_bandwidth, run_latency, state_bytes_per_token, weight_bytes_per_token
     from lamina.bench.workload import make_workload
-    from lamina.cli import engine_kwargs
     from lamina.llm import LLM
 
     if args.baseline == "vllm":
@@ -130,7 +134,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     sbytes = state_bytes_per_token(eng.model, args.input_len + args.output_len // 2)
     bw = copy_bandwidth(eng.device)
     achieved = (wbytes + sbytes) * lat["decode_tok_s"]
-    result = {"command": "latency", "model": args.model, "hardware": _hardware(eng.device), "dtype": str(eng.dtype),
+    result = {"command": "latency", "model": args.model, "hardware": hardware(eng.device), "dtype": str(eng.dtype),
               "input_len": args.input_len, "output_len": args.output_len, "lamina": lat,
               "weight_bytes_per_token": wbytes, "state_bytes_per_token": sbytes,
               "measured_copy_bandwidth_GBs": bw / 1e9, "achieved_bandwidth_GBs": achieved / 1e9,
@@ -141,12 +145,12 @@ def cmd_latency(args: argparse.Namespace) -> int:
     device, dtype = eng.device, eng.dtype
     del llm, eng
     if args.baseline == "hf":
-        _report(result, args.result_file)
+        report(result, args.result_file, show=False)
         _free_device(device)
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
         result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)
         result["ratio_decode_tok_s"] = lat["decode_tok_s"] / result["hf"]["decode_tok_s"]
     if args.baseline == "vllm":
         vllm_baseline.compare_latency(result, args, prompt, device, dtype)
-    _report(result, args.result_file)
+    report(result, args.result_file)
     return 1 if vllm_baseline.failed(result) else 0

@@ -18,7 +18,8 @@ def run_throughput(llm, wl: Workload, temperature: float = 0.0) -> dict[str, flo
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
               for n in wl.output_lens]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
+    warm = prompts[:2]  # warm-up: up to two of the prompts, a few tokens each
+    llm.generate(warm, [SamplingParams(max_tokens=4, ignore_eos=True)] * len(warm), use_tqdm=False)
     sync(llm.engine.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)

@@ -14,7 +14,7 @@ from lamina.sampling_params import SamplingParams
 
 
 def add_prefix_bench_parser(bsub) -> None:
-    from lamina.cli import add_engine_args
+    from lamina.args import add_engine_args
 
     p = bsub.add_parser("prefix", help="shared-prefix workload with the prefix cache on and off")
     add_engine_args(p)
@@ -90,9 +90,9 @@ def _run(kwargs: dict, args, cache: bool) -> dict:
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
+    from lamina.args import engine_kwargs
     from lamina.bench import vllm_baseline
     from lamina.bench.common import report
-    from lamina.cli import engine_kwargs
 
     if args.baseline == "vllm":
         vllm_baseline.require_vllm(args)

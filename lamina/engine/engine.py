@@ -114,7 +114,7 @@ class LLMEngine:
         """Validates and queues a request; raises ValueError (and changes nothing) on bad input."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params.validate()
+        params.validate(self.model_config.vocab_size)  # ids and top_k against the vocabulary
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty")

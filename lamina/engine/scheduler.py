@@ -112,35 +112,69 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
-        """Admits waiting sequences in arrival order, with two exceptions when prefix caching is on: a request
-        whose prefix another running sequence is computing right now is passed over until that block is
-        cached, and requests that are mostly cached go first (a few tokens each, so a burst sharing a system
-        prompt gets its first tokens without queueing behind the cold prompts that arrived in between) unless
-        a cold one has been passed over MAX_PASSED_OVER times already."""
+        """Admits waiting sequences (the first WAIT_LOOKAHEAD of them) in fair-share order: preempted ones
+        first, then by how many sequences their request already has running plus how many of its sequences
+        are ahead of them in line (ties: arrival order). So a request with many prompts or a large n takes
+        turns with the ones behind it instead of queueing a small request behind all its sequences.
+
+        Two exceptions when prefix caching is on: a request whose prefix another running sequence is computing
+        right now is passed over until that block is cached, and requests that are mostly cached go first (a
+        few tokens each, so a burst sharing a system prompt gets its first tokens without queueing behind the
+        cold prompts that arrived in between) unless a cold one has been passed over MAX_PASSED_OVER times
+        already. Admission stops at the first sequence whose blocks do not fit (it keeps its place)."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return
+        window = [self.waiting.popleft() for _ in range(min(len(self.waiting), WAIT_LOOKAHEAD))]
+        admitted: set[int] = set()
+        try:
+            self._admit_in_order(self._fair_order(window), budget, scheduled, admitted)
+        finally:  # the rest keep their places at the head of the line, in arrival order
+            self.waiting.extendleft(reversed([s for s in window if id(s) not in admitted]))
+
+    def _fair_order(self, window: list[Sequence]) -> list[Sequence]:
+        """The window sorted by (not preempted, the request's running + earlier-waiting sequences, arrival)."""
+        running: dict[str, int] = {}
+        for seq in self.running:
+            running[seq.request_id] = running.get(seq.request_id, 0) + 1
+        if not running and len({s.request_id for s in window}) <= 1:
+            return window  # one request, nothing running: arrival order is the fair order
+        ahead: dict[str, int] = {}
+        keys = []
+        for i, seq in enumerate(window):
+            share = running.get(seq.request_id, 0) + ahead.get(seq.request_id, 0)
+            ahead[seq.request_id] = ahead.get(seq.request_id, 0) + 1
+            keys.append((seq.num_preemptions == 0, share, i))
+        return [window[k[2]] for k in sorted(keys)]
+
+    def _admit_in_order(self, order: list[Sequence], budget: int, scheduled: list[ScheduledSeq],
+                        admitted: set[int]) -> None:
+        """Admits from `order` (ids of admitted sequences go into `admitted`) until the budget, the sequence
+        slots, the state slots or the KV pool run out."""
         passes = (True, False) if self.prefix_cache is not None else (False,)
         for hot_only in passes:
-            w = 0
-            while w < min(len(self.waiting), WAIT_LOOKAHEAD) and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[w]
+            for seq in order:
+                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                    return
+                if id(seq) in admitted:
+                    continue
                 if self.state_slots is not None and self.state_slots.num_free == 0:
                     return  # no more sequences than state slots (checked before blocks are taken)
                 if self.prefix_cache is not None and not seq.num_computed_tokens:
                     if self.prefix_cache.waits(seq):
-                        w += 1
                         continue
                     if hot_only and seq.times_passed_over < MAX_PASSED_OVER and \
                             not self.prefix_cache.mostly_cached(seq):
                         seq.times_passed_over += 1
-                        w += 1
                         continue
-                n = self._admit(seq, w, budget, scheduled)
+                n = self._admit(seq, budget, scheduled)
                 if n is None:
                     return  # the KV pool is full: the sequence stays in line
+                admitted.add(id(seq))
                 budget -= n
 
-    def _admit(self, seq: Sequence, w: int, budget: int, scheduled: list[ScheduledSeq]) -> int | None:
-        """Starts waiting[w] with a chunk of at most `budget` tokens; None (nothing changed) if its blocks do
-        not fit."""
+    def _admit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> int | None:
+        """Starts a waiting sequence (the caller takes it out of the line) with a chunk of at most `budget`
+        tokens; None (nothing changed) if its blocks do not fit."""
         hit, snap = self._reuse_prefix(seq)
         n = self._chunk(seq, budget)
         if not self._grow(seq, n):
@@ -151,7 +185,6 @@ class Scheduler:
         if hit is not None:
             self.prefix_cache.count(seq, hit)
             self.prefix_cache.claim(seq, hit)
-        del self.waiting[w]
         if self.state_slots is not None:
             seq.state_slot = self.state_slots.allocate()
             if snap is not None:  # enqueued before this step's forward, after the step that saved it

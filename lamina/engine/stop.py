@@ -19,18 +19,28 @@ def check_token_stop(seq: Sequence, token: int, n_out: int, eos: list[int], max_
 
 
 def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that could still grow into a stop string."""
+    """Length of the longest suffix of text that could still grow into a stop string. Only the last
+    len(stop) - 1 characters can, and only from a position holding the stop's first character: a few
+    C-level string calls per stop, whatever the text's length."""
     hold = 0
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
+        width = min(len(s) - 1, len(text))
+        if width <= hold:
+            continue
+        tail = text[len(text) - width:]
+        i = tail.find(s[0])
+        while 0 <= i < width - hold:  # leftmost match = longest held suffix; shorter ones cannot beat `hold`
+            if s.startswith(tail[i:]):
+                hold = width - i
                 break
+            i = tail.find(s[0], i + 1)
     return hold
 
 
 def apply_stop_strings(seq: Sequence, new_text_len: int) -> None:
-    """Updates seq.text from seq.detok.text, cutting at the first stop string that appeared."""
+    """Updates seq.text from seq.detok.text, cutting at the first stop string that appeared. Only the new
+    text's tail is searched (plus len(stop) - 1 characters before it, for a stop that straddles the
+    boundary); the count and length of stop strings are capped by SamplingParams.validate."""
     full, stops = seq.detok.text, seq.params.stop
     if stops and seq.finish_reason is None and seq.num_output_tokens >= seq.params.min_tokens:
         longest = max(len(s) for s in stops)

@@ -90,4 +90,9 @@ def iter_gguf(reader: GGUFReader, hf: dict[str, Any], dtype: torch.dtype,
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    return GGUFReader(str(path))
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:  # numpy's view errors on a short or corrupt file
+        from lamina.models.gguf_header import GGUFError
+
+        raise GGUFError(f"{path}: corrupt or truncated GGUF file ({e})") from None

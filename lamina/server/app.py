@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import secrets
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,17 +16,29 @@ from lamina.engine.engine import LLMEngine
 from lamina.server.chat import chat_prompt, create_chat_completion
 from lamina.server.completions import create_completion
 from lamina.server.errors import APIError, bad_request, install_error_handlers
+from lamina.server.limits import BodyLimits
 from lamina.server.metrics import ServerMetrics
 from lamina.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from lamina.server.responses import ModelCard, ModelList
 from lamina.server.serving import ServerState
 
 
-def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key: str | None = None) -> ServerState:
+@dataclass
+class ServerOptions:
+    """HTTP-level limits and switches of the app (the header timeout lives in the HTTP protocol)."""
+
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get a 413
+    body_timeout: float = 30.0  # seconds to receive a body once its headers are in (then a 408)
+    enable_docs: bool = False  # /docs, /redoc, /openapi.json (behind the API key when there is one)
+
+
+def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key: str | None = None,
+               sampling_defaults: dict[str, Any] | None = None) -> ServerState:
     """Wraps an engine for serving. An EngineConfig gets an engine core process of its own, started here (it
     loads the model while this process loads the tokenizer; returns once the core is ready): what `lamina
     serve` does. An LLMEngine built in this process is served by a core thread that starts with the app
-    (lifespan): for tests, which reach inside it."""
+    (lifespan): for tests, which reach inside it. sampling_defaults: the model's generation-config defaults
+    for fields a request leaves unset."""
     metrics = ServerMetrics(model_names[0])
     if isinstance(engine, EngineConfig):
         client = AsyncEngine.spawn(engine, observer=metrics, wait=False)
@@ -37,10 +51,11 @@ def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key
         info = client.info
         return ServerState(engine=client, tokenizer=tokenizer, model_names=model_names, model_root=engine.model,
                            max_model_len=info.max_model_len, vocab_size=info.vocab_size, metrics=metrics,
-                           api_key=api_key)
+                           api_key=api_key, sampling_defaults=dict(sampling_defaults or {}))
     return ServerState(engine=AsyncEngine(engine, observer=metrics), tokenizer=copy.deepcopy(engine.tokenizer),
                        model_names=model_names, model_root=engine.config.model, max_model_len=engine.max_model_len,
-                       vocab_size=engine.model_config.vocab_size, metrics=metrics, api_key=api_key)
+                       vocab_size=engine.model_config.vocab_size, metrics=metrics, api_key=api_key,
+                       sampling_defaults=dict(sampling_defaults or {}))
 
 
 def load_engine_tokenizer(config: EngineConfig):
@@ -73,7 +88,8 @@ class _ErrorCounter:
         await self.app(scope, receive, counting_send)
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         state.engine.start()
@@ -82,10 +98,12 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             state.engine.shutdown()
 
-    app = FastAPI(title="lamina", lifespan=lifespan)
+    # The generated docs describe every route and field: off unless asked for (then behind the key, below).
+    app = FastAPI(title="lamina", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.lamina = state
     install_error_handlers(app)
-    app.add_middleware(_ErrorCounter, metrics=state.metrics)
+    app.add_middleware(BodyLimits, max_bytes=options.max_body_bytes, timeout=options.body_timeout)
+    app.add_middleware(_ErrorCounter, metrics=state.metrics)  # outermost: counts the 413s and 408s too
 
     async def check_key(request: Request) -> None:
         if state.api_key is None:
@@ -130,16 +148,36 @@ def build_app(state: ServerState) -> FastAPI:
                               req.add_generation_prompt)
         else:
             ids = state.encode(req.prompt, req.add_special_tokens)
-        strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        strs = state.need_tokenizer("return_token_strs").convert_ids_to_tokens(ids) if req.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                              "token_strs": strs})
 
     @api.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         state.check_model(req.model)
+        tokenizer = state.need_tokenizer("tokens")
         if not all(0 <= t < state.vocab_size for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {state.vocab_size})", "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
 
+    if options.enable_docs:
+        _add_docs(app, api)
     app.include_router(api)
     return app
+
+
+def _add_docs(app: FastAPI, api: APIRouter) -> None:
+    """/openapi.json, /docs and /redoc on the keyed router (open when the server has no key)."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="lamina")
+
+    @api.get("/redoc", include_in_schema=False)
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title="lamina")

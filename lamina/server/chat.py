@@ -16,12 +16,13 @@ from lamina.server.protocol import ChatCompletionRequest
 from lamina.server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessageOut,
                                      ChatStreamChoice, Delta, Usage, chat_logprobs)
 from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Sent, ServerState, abort_unfinished,
-                                   collect, error_event, merge, sse, start_requests)
+                                   check_num_seqs, collect, error_event, merge, sse,
+                                   start_requests)
 
 
 def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     try:
-        return chat_prompt_ids(state.tokenizer, messages, add_generation_prompt)
+        return chat_prompt_ids(state.need_tokenizer("messages"), messages, add_generation_prompt)
     except (ValueError, TypeError, KeyError, TemplateError) as e:  # templates raise on roles they reject
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 
@@ -29,12 +30,15 @@ def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt:
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     req.check_supported()
+    check_num_seqs(1, req.n)
     ids = chat_prompt(state, req.template_messages(), req.add_generation_prompt)
-    max_tokens = req.max_output_tokens
-    state.check_length(len(ids), max_tokens, "messages")
-    params = req.sampling_params(max_tokens, req.num_logprobs)
+    state.check_max_tokens(len(ids), req.max_output_tokens)
+    max_tokens = req.max_output_tokens  # unset: the model's default (shortened to fit) or all the room left
+    if max_tokens is None:
+        max_tokens = state.sampling_defaults.get("max_tokens")
+    params = req.sampling_params(max_tokens, req.num_logprobs, state.sampling_defaults, state.vocab_size)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(state, [ids], params, request_id)
+    streams = await start_requests(state, raw, [ids], params, request_id, param="messages")
     if req.stream:
         return StreamingResponse(_stream(req, state, streams, request_id, len(ids)),
                                  media_type="text/event-stream", headers=SSE_HEADERS,

@@ -5,16 +5,17 @@ import argparse
 import logging
 import os
 
+from lamina.args import (HelpFormatter, add_engine_args, add_generation_config_arg, engine_kwargs, port_number,
+                         positive_float)
+
 log = logging.getLogger("lamina.server")
 
 
 def add_serve_parser(sub) -> None:
-    from lamina.cli import add_engine_args
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
     add_engine_args(p, positional_model=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to (default: the model argument); the first is reported")
     p.add_argument("--api-key", default=os.environ.get("LAMINA_API_KEY"),
@@ -23,6 +24,15 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are "
                         "aborted (default: 30)")
+    add_generation_config_arg(p)
+    p.add_argument("--max-request-body-mb", type=positive_float, default=4.0,
+                   help="larger request bodies get a 413")
+    p.add_argument("--header-timeout", type=positive_float, default=10.0,
+                   help="seconds a connection may take to send a request's line and headers before it is closed")
+    p.add_argument("--body-timeout", type=positive_float, default=30.0,
+                   help="seconds a request may take to send its body, once its headers are in (then a 408)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (default: off; behind --api-key when one is set)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
@@ -38,21 +48,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from lamina.cli import engine_kwargs
     from lamina.config import EngineConfig
-    from lamina.server.app import build_app, make_state
+    from lamina.generation_config import model_defaults
+    from lamina.preflight import bind_socket
+    from lamina.server.app import ServerOptions, build_app, make_state
     from lamina.server.graceful import GracefulServer
+    from lamina.server.limits import TimeoutH11Protocol
 
     t0 = time.monotonic()
     if args.shutdown_timeout < 0:
         log.error("--shutdown-timeout must be >= 0")
         return 2
+    sock = bind_socket(args.host, args.port)  # a port in use fails now, not after loading the model
+    defaults = model_defaults(args.model, args.generation_config)
     names = args.served_model_name or [args.model]
-    # The engine core process loads the model before the port is bound, so /health answering means ready.
+    # The engine core process loads the model before the server runs, so /health answering means ready.
     # A signal during loading ends it quietly (the core process goes with make_state's clean-up).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        state = make_state(EngineConfig(**engine_kwargs(args)), names, args.api_key)
+        state = make_state(EngineConfig(**engine_kwargs(args)), names, args.api_key, defaults)
     except (RuntimeError, ValueError) as e:
         log.error("lamina serve: %s", e)
         return 1
@@ -61,21 +75,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    app = build_app(state)
+    options = ServerOptions(max_body_bytes=int(args.max_request_body_mb * 2**20), body_timeout=args.body_timeout,
+                            enable_docs=args.enable_docs)
+    app = build_app(state, options)
     info = state.engine.info
 
-    def ready() -> None:
+    def ready() -> None:  # the socket listens: now say so
         log.info("start-up: server ready in %.2f s (engine core pid %d, its start-up %.2f s)",
                  time.monotonic() - t0, info.pid, info.startup_seconds)
-        log.warning("lamina serving %s as %s on http://%s:%d (max_model_len %d, %d KV blocks)", args.model,
-                    names[0], args.host, args.port, info.max_model_len, info.num_total_blocks)
+        log.info("lamina serving %s as %s on http://%s:%d (max_model_len %d, %d KV blocks)", args.model,
+                 names[0], args.host, sock.getsockname()[1], info.max_model_len, info.num_total_blocks)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_keep_alive=30)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30,
+                            http=TimeoutH11Protocol.with_timeout(args.header_timeout))
     server = GracefulServer(config, state.engine, args.shutdown_timeout, on_ready=ready)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         state.engine.shutdown()  # idempotent; covers a start-up that failed before the app's lifespan ran
-    log.warning("lamina: shut down")
+    log.info("lamina: shut down")
     return 0

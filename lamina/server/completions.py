@@ -16,7 +16,8 @@ from lamina.server.errors import bad_request
 from lamina.server.protocol import CompletionRequest
 from lamina.server.responses import CompletionChoice, CompletionResponse, Usage, completion_logprobs
 from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Sent, ServerState, abort_unfinished,
-                                   collect, error_event, merge, sse, start_requests)
+                                   check_num_seqs, collect, error_event, merge, sse,
+                                   start_requests)
 
 
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
@@ -24,13 +25,22 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     req.check_supported()
     if req.echo and req.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", "echo")
-    prompt_ids = [state.encode(p) for p in req.prompts()]
+    prompts = req.prompts()
+    check_num_seqs(len(prompts), req.n)
+    if req.echo:
+        state.need_tokenizer("echo")
+    prompt_ids = [state.encode(p) for p in prompts]
     for ids in prompt_ids:
-        state.check_length(len(ids), req.max_tokens)
-    params = req.sampling_params(req.max_tokens, req.logprobs)
+        state.check_max_tokens(len(ids), req.max_tokens)
+    # Unset: the model's default or OpenAI's 16, shortened by the engine to what fits.
+    max_tokens = req.max_tokens if req.max_tokens is not None else state.sampling_defaults.get("max_tokens", 16)
+    params = req.sampling_params(max_tokens, req.logprobs, state.sampling_defaults, state.vocab_size)
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    try:  # the engine checks the prompts (length, token ids): its ValueError is a 400 on "prompt"
+        streams = await start_requests(state, raw, prompt_ids, params, request_id)
+    except ClientDisconnected:
+        return Response(status_code=499)
     echoes = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompt_ids]
-    streams = await start_requests(state, prompt_ids, params, request_id)
     if req.stream:
         return StreamingResponse(_stream(req, state, streams, request_id, prompt_ids, echoes),
                                  media_type="text/event-stream", headers=SSE_HEADERS,

@@ -56,19 +56,30 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None,
+                        vocab_size: int | None = None) -> SamplingParams:
+        """The request's settings; a field it leaves unset takes the model's default (generation config),
+        else OpenAI's. Checked against the vocabulary when vocab_size is given (400 naming the field)."""
+        d = defaults or {}
+
+        def pick(value: Any, name: str, fallback: Any) -> Any:
+            return value if value is not None else d.get(name, fallback)
+
         try:
-            return SamplingParams(
-                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            params = SamplingParams(
+                n=self.n, temperature=pick(self.temperature, "temperature", 1.0),
+                top_p=pick(self.top_p, "top_p", 1.0), top_k=pick(self.top_k, "top_k", 0),
+                min_p=pick(self.min_p, "min_p", 0.0),
+                repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output)
+            params.validate(vocab_size)
         except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), getattr(e, "param", None)) from None
+        return params
 
 
 Prompt = list[int] | list[list[int]] | str | list[str]
@@ -76,7 +87,7 @@ Prompt = list[int] | list[list[int]] | str | list[str]
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # unset: the model's default, else 16 (OpenAI's)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -17,16 +17,22 @@ from lamina.server.errors import APIError, bad_request
 from lamina.server.metrics import ServerMetrics
 
 
+# Most sequences (prompts x n) one request may start: a bound on what one client takes from the others.
+MAX_SEQS_PER_REQUEST = 256
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
-    tokenizer: Any  # a private copy: HF fast tokenizers must not be shared with the engine thread
+    tokenizer: Any  # a private copy: HF fast tokenizers must not be shared with the engine thread; None for
+    # models without one (random: presets), which take token ids only
     model_names: list[str]
     model_root: str
     max_model_len: int
     vocab_size: int
     metrics: ServerMetrics
     api_key: str | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's generation config
 
     @property
     def model_name(self) -> str:
@@ -36,44 +42,72 @@ class ServerState:
         if name is not None and name not in self.model_names:
             raise APIError(f"The model `{name}` does not exist.", 404, "model", "model_not_found")
 
+    def need_tokenizer(self, param: str | None = None) -> Any:
+        """The tokenizer, or a 400 saying to send token ids (a model without one)."""
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send prompts as token ids (text, chat messages, echo, "
+                              "/tokenize and /detokenize need one)", param)
+        return self.tokenizer
+
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; token-id prompts pass as they are (the engine checks them)."""
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
-        if not all(0 <= t < self.vocab_size for t in prompt):
-            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+            return list(self.need_tokenizer("prompt")(prompt, add_special_tokens=add_special_tokens).input_ids)
         return list(prompt)
 
-    def check_length(self, num_prompt: int, max_tokens: int | None, param: str = "prompt") -> None:
-        """Rejects what could not run to the requested length, before anything reaches the engine."""
-        if num_prompt == 0:
-            raise bad_request("the prompt is empty", param)
+    def check_max_tokens(self, num_prompt: int, max_tokens: int | None) -> None:
+        """Refuses a max_tokens that cannot fit after the prompt (the engine would shorten it; the API says
+        so instead). Prompt length itself is the engine's check."""
         room = self.max_model_len - num_prompt
-        if room < 1:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                              f"your prompt has {num_prompt} tokens (prompt plus at least one generated token "
-                              "must fit).", param)
-        if max_tokens is not None and max_tokens > room:
+        if max_tokens is not None and 0 < room < max_tokens:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                               f"{max_tokens} for the completion).", "max_tokens")
 
 
-async def start_requests(state: ServerState, prompts: list[list[int]], params: SamplingParams,
-                         prefix: str) -> list[RequestStream]:
-    """Adds one engine request per prompt; all or nothing."""
+def check_num_seqs(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_SEQS_PER_REQUEST:
+        raise bad_request(f"this request asks for {num_prompts} prompts x n={n} = {num_prompts * n} sequences; at "
+                          f"most {MAX_SEQS_PER_REQUEST} are allowed per request", "n")
+
+
+async def start_requests(state: ServerState, raw: Request | None, prompts: list[list[int]], params: SamplingParams,
+                         prefix: str, param: str = "prompt") -> list[RequestStream]:
+    """Adds one engine request per prompt; all or nothing. The engine validates each (ValueError -> 400 on
+    `param`, or on the field a SamplingParams check names); a client that disconnects meanwhile has what was
+    added aborted at once (ClientDisconnected)."""
     streams: list[RequestStream] = []
     ok = False
+
+    async def add_all() -> None:
+        # Queued together (in order), so the engine takes them in one pass instead of one per step.
+        adds = [state.engine.add_request(state.engine.new_request_id(prefix), {"prompt_token_ids": ids}, params)
+                for ids in prompts]
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        streams.extend(r for r in results if isinstance(r, RequestStream))
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    adding = asyncio.ensure_future(add_all())
+    watcher = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None and len(prompts) > 1 else None
     try:
-        for ids in prompts:
-            rid = state.engine.new_request_id(prefix)
-            streams.append(await state.engine.add_request(rid, {"prompt_token_ids": ids}, params))
+        if watcher is not None:
+            done, _ = await asyncio.wait({adding, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if adding not in done:
+                adding.cancel()
+                raise ClientDisconnected()
+        await adding
         ok = True
     except EngineDeadError as e:
         raise APIError(str(e), 503) from None
-    except ValueError as e:  # the engine's own validation, in case a check above missed something
-        raise bad_request(str(e)) from None
+    except ValueError as e:  # the engine's validation of the prompt and the parameters
+        raise bad_request(str(e), getattr(e, "param", None) or param) from None
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if not ok:
+            adding.cancel()
             abort_unfinished(state, streams)
     return streams
 

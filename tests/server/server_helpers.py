@@ -42,10 +42,10 @@ class Server:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def start_server(extra: list[str], timeout: float = 240.0) -> Server:
+def start_server(extra: list[str], timeout: float = 240.0, model: str = MODEL) -> Server:
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="lamina-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "lamina.cli", "serve", MODEL, "--port", str(port), *SERVER_ARGS, *extra]
+    cmd = [sys.executable, "-m", "lamina.cli", "serve", model, "--port", str(port), *SERVER_ARGS, *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
