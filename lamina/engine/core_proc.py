@@ -145,7 +145,8 @@ def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level
     """Entry point of the core process: load the engine, say Ready (or why not), serve until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("lamina").setLevel(log_level)
     import torch
 
     from lamina.engine.engine import LLMEngine
@@ -194,7 +195,7 @@ class CoreProcess:
 
     def start(self, addrs: Addresses) -> None:
         mp = multiprocessing.get_context("spawn")
-        level = logging.getLogger().getEffectiveLevel()
+        level = logging.getLogger("lamina").getEffectiveLevel()  # the CLI sets lamina's own level
         # daemon: if the server exits without stopping the core, multiprocessing's exit hook still ends it.
         self.proc = mp.Process(target=core_main, args=(self.config, addrs, os.getpid(), level),
                                name="lamina-core", daemon=True)
