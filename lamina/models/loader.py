@@ -80,7 +80,9 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     # Built on the meta device, then given uninitialized storage: no random init, no second copy.
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to(dtype).to_empty(device=device)  # dtype first: never materialized in fp32
+    # dtype first, still on meta: the dense formats' parameters take the model dtype (a quantized or
+    # tensor-parallel layout would be chosen here, weight_formats.assign_formats); then storage on device.
+    model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     if source.kind == "random":
         with torch.no_grad():
@@ -96,7 +98,7 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     else:
         from lamina.models.hf_loader import iter_safetensors
 
-        tensors, total = iter_safetensors(source.path, dtype, device), None
+        tensors, total = iter_safetensors(source.path), None
     load_weights(model, tqdm(tensors, total=total, desc="loading weights", unit="tensor",
                              disable=not progress, leave=False))
     model.init_rope(max_positions)

@@ -8,13 +8,14 @@ from lamina.kernels.attention import AttentionMetadata
 from lamina.kernels.rope import rope_cos_sin_cache, rope_inv_freq
 from lamina.models.config import ModelConfig
 from lamina.models.layers.decoder import DecoderLayer
+from lamina.models.layers.linear import Embedding, Linear
 from lamina.models.layers.norm import RMSNorm
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
@@ -26,11 +27,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def init_rope(self, max_positions: int) -> None:
         """Builds the shared cos/sin table (fp32, on the weights' device) once, after loading."""

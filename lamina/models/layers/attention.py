@@ -7,7 +7,7 @@ from torch import nn
 from lamina.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from lamina.kernels.rope import apply_rope
 from lamina.models.config import LayerSpec, ModelConfig
-from lamina.models.layers.linear import MergedLinear
+from lamina.models.layers.linear import Linear
 from lamina.models.layers.norm import RMSNorm
 
 
@@ -16,8 +16,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
