@@ -12,6 +12,7 @@ from tqdm import tqdm
 from lamina.models.config import ModelConfig
 from lamina.models.model import CausalLM
 from lamina.models.registry import config_from_hf
+from lamina.models.weight_formats import FormatChoice, assign_formats
 from lamina.models.weights import load_weights
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -75,15 +76,27 @@ def read_config(source: ModelSource) -> tuple[ModelConfig, Any]:
     return config_from_hf(read_hf_config(source.path)), None
 
 
-def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
-               max_positions: int, progress: bool = True) -> CausalLM:
-    # Built on the meta device, then given uninitialized storage: no random init, no second copy.
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                choose_format: FormatChoice | None = None) -> CausalLM:
+    """The model with uninitialized storage on `device`, ready for load_weights.
+
+    Built on the meta device (no random init, no second copy) and given the model dtype there, so it is
+    never materialized in fp32; then each layer's weight format is the one `choose_format` picks by layer
+    name (default: dense everywhere; a quantization config or a tensor-parallel rank would choose here),
+    storage is allocated on `device`, and lm_head is tied to the embedding if the config says so."""
     with torch.device("meta"):
         model = CausalLM(cfg)
-    # dtype first, still on meta: the dense formats' parameters take the model dtype (a quantized or
-    # tensor-parallel layout would be chosen here, weight_formats.assign_formats); then storage on device.
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if choose_format is not None:
+        assign_formats(model, choose_format, dtype)
+    model = model.to_empty(device=device)
     model.tie_weights()
+    return model
+
+
+def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
+               max_positions: int, progress: bool = True) -> CausalLM:
+    model = build_model(cfg, dtype, device)
     if source.kind == "random":
         with torch.no_grad():
             for p in model.parameters():

@@ -26,8 +26,8 @@ from lamina.models.weight_formats.base import (
 )
 from lamina.models.weight_formats.dense import DenseExperts, DenseFormat
 
-__all__ = ["DenseExperts", "DenseFormat", "ExpertFormat", "Partition", "WeightFormat", "WeightLoader",
-           "assign_formats", "param_spec", "weight_loader"]
+__all__ = ["DenseExperts", "DenseFormat", "ExpertFormat", "FormatChoice", "Partition", "WeightFormat",
+           "WeightLoader", "assign_formats", "param_spec", "weight_loader"]
 
 # (qualified layer name, layer) -> the format it should use, or None to keep its current one.
 FormatChoice = Callable[[str, nn.Module], "WeightFormat | ExpertFormat | None"]

@@ -66,9 +66,10 @@ def register_param(layer: nn.Module, name: str, param: nn.Parameter, loader: Lay
 
 
 def clear_params(layer: nn.Module) -> None:
-    """Drops every parameter of `layer` (before another format creates its own): a layer with a weight
-    format holds only what its format registered."""
-    for name in list(layer._parameters):
+    """Drops every parameter and buffer of `layer` (before another format creates its own): a layer with a
+    weight format holds only what its format registered. (Buffers: state a format derives while loading,
+    e.g. the scales of weights quantized on the fly; they are not expected from the checkpoint.)"""
+    for name in [*layer._parameters, *layer._buffers]:
         delattr(layer, name)
     layer.__dict__["weight_loaders"] = {}
 

@@ -37,6 +37,8 @@ class DenseFormat(WeightFormat):
 
     def __init__(self, partition: Partition | None = None) -> None:
         self.partition = partition
+        # Row-parallel outputs are partial sums that get all-reduced: rank 0 alone adds the bias.
+        self._skip_bias = partition is not None and partition.dim == 1 and partition.rank != 0
 
     def __repr__(self) -> str:
         return f"DenseFormat(partition={self.partition})"
@@ -109,10 +111,7 @@ class DenseFormat(WeightFormat):
 
     # -- compute ----------------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        p = self.partition
-        if p is not None and p.dim == 1 and p.rank != 0:
-            return F.linear(x, layer.weight)  # a partial sum: rank 0 alone adds the bias
-        return F.linear(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, None if self._skip_bias else layer.bias)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if self.partition is not None:
