@@ -4,9 +4,9 @@ To add a format (FP8 blocks, 4-bit groups, GGUF blocks kept packed, LoRA, a TP s
 1. subclass WeightFormat (linear-shaped weights) and/or ExpertFormat (MoE expert stacks) in a module here;
    create_params registers the parameters it stores with a loader each (register_param), apply computes;
 2. name its parameters after the checkpoint's (q_proj.weight_scale_inv -> qkv_proj.weight_scale_inv) so the
-   family's checkpoint map routes them (fused shards and experts keep their names; weights.py);
-3. choose it per layer before the weights are materialized: assign_formats(model, choose, dtype) in
-   loader.load_model, `choose` reading the checkpoint's quantization config or the parallel layout.
+   family's checkpoint map routes them (fused shards and experts keep their names; families/common.py);
+3. choose it per layer before the weights are materialized: loader.build_model's `choose_format`
+   (assign_formats), `choose` reading the checkpoint's quantization config or the parallel layout.
 The layers (Linear, Embedding, FusedExperts) and the modules using them stay as they are.
 """
 from __future__ import annotations

@@ -173,7 +173,12 @@ class ExpertFormat(ABC):
     """Storage + loading + grouped matmul of a MoE layer's routed experts (SwiGLU: gate|up, then down).
 
     Loaders take `expert` (the index in the stack) and `shard` ("gate" | "up" for the first projection; none
-    for down); a call with neither loads the whole stack at once."""
+    for down); a call with neither loads the whole stack at once.
+
+    Parallel layouts are formats too: tensor parallelism splits each expert's intermediate dim (gate/up rows
+    and down columns, with a Partition as for Linear); expert parallelism stacks only this rank's experts,
+    its loaders map a global expert index to a local slot and skip the others, and its `parts` list only the
+    local experts (so the missing-tensor check asks for exactly what this rank holds)."""
 
     @abstractmethod
     def create_params(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
