@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -34,8 +34,11 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) as stored (the checkpoint's dtype, on the CPU), read one at a time: the parameters'
+    loaders convert each into the model's dtype and device as they copy it in, and a format that keeps
+    the checkpoint's storage (FP8, packed ints) receives it unconverted."""
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(device=device, dtype=dtype)
+                yield name, f.get_tensor(name)

@@ -13,6 +13,7 @@ from lamina.models.builtin import BUILTIN, DEFAULT_MODEL  # noqa: F401 (re-expor
 from lamina.models.config import ModelConfig
 from lamina.models.model import CausalLM
 from lamina.models.registry import config_from_hf
+from lamina.models.weight_formats import FormatChoice, assign_formats
 from lamina.models.weights import load_weights
 
 
@@ -73,13 +74,27 @@ def read_config(source: ModelSource) -> tuple[ModelConfig, Any]:
     return config_from_hf(read_hf_config(source.path)), None
 
 
-def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
-               max_positions: int, progress: bool = True) -> CausalLM:
-    # Built on the meta device, then given uninitialized storage: no random init, no second copy.
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                choose_format: FormatChoice | None = None) -> CausalLM:
+    """The model with uninitialized storage on `device`, ready for load_weights.
+
+    Built on the meta device (no random init, no second copy) and given the model dtype there, so it is
+    never materialized in fp32; then each layer's weight format is the one `choose_format` picks by layer
+    name (default: dense everywhere; a quantization config or a tensor-parallel rank would choose here),
+    storage is allocated on `device`, and lm_head is tied to the embedding if the config says so."""
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to(dtype).to_empty(device=device)  # dtype first: never materialized in fp32
+    model = model.to(dtype)
+    if choose_format is not None:
+        assign_formats(model, choose_format, dtype)
+    model = model.to_empty(device=device)
     model.tie_weights()
+    return model
+
+
+def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
+               max_positions: int, progress: bool = True) -> CausalLM:
+    model = build_model(cfg, dtype, device)
     if source.kind == "random":
         with torch.no_grad():
             for p in model.parameters():
@@ -94,7 +109,7 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     else:
         from lamina.models.hf_loader import iter_safetensors
 
-        tensors, total = iter_safetensors(source.path, dtype, device), None
+        tensors, total = iter_safetensors(source.path), None
     load_weights(model, tqdm(tensors, total=total, desc="loading weights", unit="tensor",
                              disable=not progress, leave=False))
     model.init_rope(max_positions)

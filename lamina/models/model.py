@@ -8,6 +8,7 @@ from lamina.cache.specs import Stateful
 from lamina.kernels.attention import AttentionMetadata
 from lamina.models.config import ModelConfig
 from lamina.models.layers.decoder import DecoderLayer
+from lamina.models.layers.linear import Embedding, Linear
 from lamina.models.layers.norm import RMSNorm
 from lamina.models.layers.rope_table import RopeTable
 
@@ -15,7 +16,7 @@ from lamina.models.layers.rope_table import RopeTable
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         # One RoPE table for the whole model, handed to the layers that rotate (filled after loading).
         self.rope = RopeTable(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec, self.rope) for spec in cfg.layers)
@@ -29,11 +30,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def init_rope(self, max_positions: int) -> None:
         """Builds the shared cos/sin table (fp32, on the weights' device) once, after loading."""

@@ -1,17 +1,19 @@
 """Maps an HF `architectures` entry (or a GGUF `general.architecture`) to the family that builds its config."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lamina.models.config import ModelConfig
-from lamina.models.families import llama, qwen3_moe, qwen3_next
+from lamina.models.families import common, llama, qwen3_moe, qwen3_next
+from lamina.models.weights import CheckpointMap
 
 _FAMILIES = {arch: (fam, llama.config_from_hf) for arch, fam in llama.ARCHITECTURES.items()}
 _FAMILIES.update({arch: (fam, qwen3_moe.config_from_hf) for arch, fam in qwen3_moe.ARCHITECTURES.items()})
 _FAMILIES.update({arch: (fam, qwen3_next.config_from_hf) for arch, fam in qwen3_next.ARCHITECTURES.items()})
-# Families whose checkpoint names need more than weights.py's generic rules: family -> (cfg -> name hook).
-_WEIGHT_MAPS: dict[str, Callable[[ModelConfig], Any]] = {
-    fam: qwen3_next.weight_map for fam in set(qwen3_next.ARCHITECTURES.values())}
+# Families whose checkpoint names need more than families/common.py's HF rules: family -> (cfg -> map).
+_CHECKPOINT_MAPS: dict[str, Callable[[ModelConfig], CheckpointMap]] = {
+    fam: qwen3_next.checkpoint_map for fam in set(qwen3_next.ARCHITECTURES.values())}
 # GGUF architecture names -> HF architecture names.
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "mistral": "MistralForCausalLM"}
@@ -33,7 +35,6 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
-def weight_map_for(cfg: ModelConfig):
-    """The family's checkpoint-name hook for weights.load_weights, or None (names map as they are)."""
-    build = _WEIGHT_MAPS.get(cfg.family)
-    return build(cfg) if build is not None else None
+def checkpoint_map_for(cfg: ModelConfig) -> CheckpointMap:
+    """The family's map from checkpoint tensors to parameter targets, for weights.load_weights."""
+    return _CHECKPOINT_MAPS.get(cfg.family, common.checkpoint_map)(cfg)

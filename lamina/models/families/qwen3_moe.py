@@ -1,8 +1,9 @@
 """Qwen3-MoE: Qwen3 attention (q/k norm) with sparse MoE feed-forwards (no shared expert).
 
 Checkpoints hold one tensor per expert (mlp.experts.N.{gate,up,down}_proj.weight) and the router as
-mlp.gate.weight; weights.py stacks the experts. Layers listed in mlp_only_layers, or off the
-decoder_sparse_step grid, keep a dense MLP of intermediate_size.
+mlp.gate.weight; families/common.py maps each expert tensor to its (expert, shard) slot of the stacked
+experts. Layers listed in mlp_only_layers, or off the decoder_sparse_step grid, keep a dense MLP of
+intermediate_size.
 """
 from __future__ import annotations
 

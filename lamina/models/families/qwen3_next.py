@@ -13,16 +13,21 @@ Checkpoint names, as transformers lays them out:
     carry a vision tower (model.visual.*); a multi-token-prediction head (mtp.*) may ride along: skipped;
   - Qwen3-Next fuses the GDN input projections as in_proj_qkvz / in_proj_ba, grouped per key head
     ([q_g | k_g | v_g | z_g] for each of the Hk groups); they are split into Qwen3.5's flat
-    in_proj_qkv / in_proj_z / in_proj_b / in_proj_a layout here.
+    in_proj_qkv / in_proj_z / in_proj_b / in_proj_a layout here, i.e. straight into the qkv | z | b | a
+    shards of the fused in_proj.
+Everything else is named as families/common.py expects.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from lamina.models.config import GatedDeltaNetSpec, LayerSpec, ModelConfig, eos_list, rope_params
+from lamina.models.families.common import hf_targets
 from lamina.models.families.qwen3_moe import is_sparse_layer, moe_spec
+from lamina.models.weights import CheckpointMap, Target
 
 ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
@@ -108,11 +113,11 @@ def _split_ba(cfg: GatedDeltaNetSpec, w: torch.Tensor) -> tuple[torch.Tensor, to
     return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
 
 
-def weight_map(cfg: ModelConfig):
-    """The checkpoint-name hook for load_weights (see the module docstring)."""
+def checkpoint_map(cfg: ModelConfig) -> CheckpointMap:
+    """Checkpoint tensor -> (target, tensor) pairs for load_weights (see the module docstring)."""
     gdn = cfg.gdn
 
-    def remap(name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+    def targets(name: str, tensor: torch.Tensor) -> Iterable[tuple[Target, torch.Tensor]]:
         if name.startswith(_SKIPPED_PREFIXES):
             return []
         if name.startswith("model.language_model."):
@@ -120,12 +125,12 @@ def weight_map(cfg: ModelConfig):
         name = name.replace(".linear_attn.", ".self_attn.")
         if name.endswith(".in_proj_qkvz.weight"):
             qkv, z = _split_qkvz(gdn, tensor)
-            base = name[: -len("in_proj_qkvz.weight")]
-            return [(base + "in_proj_qkv.weight", qkv), (base + "in_proj_z.weight", z)]
+            param = name[: -len("_qkvz.weight")] + ".weight"
+            return [(Target(param, "qkv"), qkv), (Target(param, "z"), z)]
         if name.endswith(".in_proj_ba.weight"):
             b, a = _split_ba(gdn, tensor)
-            base = name[: -len("in_proj_ba.weight")]
-            return [(base + "in_proj_b.weight", b), (base + "in_proj_a.weight", a)]
-        return [(name, tensor)]
+            param = name[: -len("_ba.weight")] + ".weight"
+            return [(Target(param, "b"), b), (Target(param, "a"), a)]
+        return hf_targets(name, tensor)
 
-    return remap
+    return targets

@@ -8,7 +8,7 @@ from lamina.cache.specs import FullAttentionSpec, KVBlocks, SlidingWindowSpec
 from lamina.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from lamina.kernels.rope import apply_rope
 from lamina.models.config import LayerSpec, ModelConfig
-from lamina.models.layers.linear import MergedLinear
+from lamina.models.layers.linear import Linear
 from lamina.models.layers.norm import RMSNorm
 from lamina.models.layers.rope_table import RopeTable
 
@@ -58,8 +58,8 @@ class Attention(AttentionBase):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> None:
         super().__init__(cfg, spec, rope)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]

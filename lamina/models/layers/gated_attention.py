@@ -8,13 +8,13 @@ config's (qk_norm, norm_offset, partial_rotary_factor), as for plain attention.
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import nn  # noqa: F401  (kept for the state-binding rework of this class)
 
 from lamina.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from lamina.kernels.rope import apply_rope
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.attention import AttentionBase
-from lamina.models.layers.linear import MergedLinear
+from lamina.models.layers.linear import Linear
 from lamina.models.layers.rope_table import RopeTable
 
 
@@ -24,8 +24,8 @@ class GatedAttention(AttentionBase):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> None:
         super().__init__(cfg, spec, rope)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * q, "k": kv, "v": kv}, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.attention_bias)  # HF biases o_proj here too
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": 2 * q, "k": kv, "v": kv}, bias=cfg.attention_bias)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.attention_bias)  # HF biases o_proj here too
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim

@@ -21,7 +21,7 @@ from lamina.kernels.conv1d import causal_conv1d_varlen
 from lamina.kernels.gated_delta import gated_delta_rule_varlen
 from lamina.kernels.norm_gated import rms_norm_gated
 from lamina.models.config import LayerSpec, ModelConfig
-from lamina.models.layers.linear import MergedLinear
+from lamina.models.layers.linear import Linear
 
 # The recurrent state integrates over the whole sequence: fp32 whatever the model dtype (as HF's and fla's).
 RECURRENT_DTYPE = torch.float32
@@ -49,14 +49,14 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = g.head_k_dim, g.head_v_dim
         self.key_dim, self.value_dim = g.num_k_heads * g.head_k_dim, g.num_v_heads * g.head_v_dim
         self.conv_dim, self.conv_kernel = g.conv_dim, g.conv_kernel
-        self.in_proj = MergedLinear(cfg.hidden_size, {"qkv": self.conv_dim, "z": self.value_dim,
-                                                      "b": g.num_v_heads, "a": g.num_v_heads}, bias=False)
+        self.in_proj = Linear(cfg.hidden_size, {"qkv": self.conv_dim, "z": self.value_dim,
+                                                "b": g.num_v_heads, "a": g.num_v_heads}, bias=False)
         # Depthwise: weight [C, 1, K] as HF stores it; applied by the conv1d kernel, never as an nn.Conv1d.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, g.conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(g.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(g.num_v_heads))
         self.norm = GatedRMSNorm(g.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported gated delta net activation {cfg.hidden_act!r}")
         self._state: SlotRows | None = None  # bound by the engine (state-pool rows; stable for CUDA graphs)

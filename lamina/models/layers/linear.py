@@ -1,26 +1,84 @@
-"""Linear layers whose weight is several checkpoint tensors stacked (q|k|v, gate|up): one matmul instead of
-several, which matters most for small-batch decode where each launch is memory-bound."""
+"""The layers with linear-shaped weights: Linear (every projection, lm_head) and Embedding.
+
+Neither owns its parameters: its weight format (lamina.models.weight_formats) creates them, loads checkpoint
+tensors into them and applies them, so the modules that use these layers never know whether the weight is
+dense, quantized, a tensor-parallel slice or carries LoRA deltas.
+
+A fused projection is one Linear whose output features are named parts in order (q|k|v, gate|up, the GDN's
+qkv|z|b|a): one matmul instead of several, which matters most for small-batch decode where each launch is
+memory-bound. The checkpoint's separate tensors load into their parts by name.
+"""
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from lamina.models.weight_formats import DenseFormat, WeightFormat
+from lamina.models.weight_formats.base import clear_params
 
-class MergedLinear(nn.Linear):
-    """An nn.Linear whose output rows are the concatenation of named shards."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        self.shard_slices: dict[str, slice] = {}
-        start = 0
-        for name, size in shards.items():
-            self.shard_slices[name] = slice(start, start + size)
-            start += size
+class _WithFormat(nn.Module):
+    """A layer whose parameters are its weight format's: `in_features`, `out_shards`, `has_bias` describe
+    the logical weight; `format` holds it."""
 
-    def load_shard(self, param: str, shard: str, tensor: torch.Tensor) -> None:
-        target = getattr(self, param)
-        rows = self.shard_slices[shard]
-        if tensor.shape[0] != rows.stop - rows.start:
-            raise ValueError(f"shard {shard!r} of {param}: expected {rows.stop - rows.start} rows, got {tensor.shape[0]}")
-        with torch.no_grad():
-            target[rows].copy_(tensor)
+    in_features: int
+    out_shards: dict[str, int]
+    has_bias: bool
+
+    def set_format(self, fmt: WeightFormat, dtype: torch.dtype | None = None) -> None:
+        """(Re)creates the parameters in `fmt`'s storage; before loading, on the meta device."""
+        clear_params(self)
+        self.format = fmt
+        fmt.create_params(self, self.in_features, self.out_shards, self.has_bias, dtype or torch.get_default_dtype())
+
+
+class Linear(_WithFormat):
+    """y = x W^T (+ b), W [out_features, in_features] in the format's storage.
+
+    out_features: an int, or {part name: size} for a fused projection (sizes are the full, unpartitioned
+    ones; the output is the parts concatenated in this order). fmt: the weight format (default dense)."""
+
+    def __init__(self, in_features: int, out_features: int | Mapping[str, int], bias: bool = False,
+                 fmt: WeightFormat | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_shards = dict(out_features) if isinstance(out_features, Mapping) else {"": out_features}
+        self.has_bias = bias
+        self.set_format(fmt or DenseFormat(), dtype)
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.out_shards.values())
+
+    def tie_to(self, source: nn.Module) -> None:
+        """Reads `source`'s weights (lm_head tied to the embedding); the format decides whether it can."""
+        self.format.tie(self, source)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.format.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_shards}, bias={self.has_bias}, format={self.format!r}"
+
+
+class Embedding(_WithFormat):
+    """Token embedding table [num_embeddings, embedding_dim]: the same weight layout as a Linear from
+    embedding_dim to num_embeddings, so a format serves both, and lm_head can be tied to it."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: WeightFormat | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_shards, self.has_bias = embedding_dim, {"": num_embeddings}, False
+        self.set_format(fmt or DenseFormat(), dtype)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.out_shards[""]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.format.embed(self, ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.in_features}, format={self.format!r}"

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lamina.kernels.activation import silu_and_mul
-from lamina.models.layers.linear import MergedLinear
+from lamina.models.layers.linear import Linear
 
 
 class GatedMLP(nn.Module):
@@ -13,8 +13,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {act!r}")
-        self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, {"gate": intermediate, "up": intermediate}, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -6,43 +6,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lamina.kernels.moe import fused_moe, select_experts
+from lamina.kernels.moe import select_experts
 from lamina.models.config import ModelConfig
+from lamina.models.layers.linear import Linear
 from lamina.models.layers.mlp import GatedMLP
+from lamina.models.weight_formats import DenseExperts, ExpertFormat
+from lamina.models.weight_formats.base import clear_params
 
 
 class FusedExperts(nn.Module):
-    """All experts' weights stacked as transformers 5 holds them: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+    """All routed experts' weights, stacked, in the storage of an expert format (dense: gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I], as transformers 5 holds them and the MoE kernels read them).
 
-    Checkpoints carry either these stacked tensors or one tensor per expert and projection
-    (experts.N.gate_proj/up_proj/down_proj.weight); the loader puts the latter in as shards "N.gate",
-    "N.up" and "N".
-    """
+    Checkpoints carry either those stacked tensors or one tensor per expert and projection
+    (experts.N.gate_proj/up_proj/down_proj.weight); the latter load as (expert N, shard "gate"/"up") of
+    gate_up_proj and (expert N) of down_proj through the format's loaders."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, fmt: ExpertFormat | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.set_format(fmt or DenseExperts(), dtype)
 
-    def expected_shards(self, param: str) -> list[str]:
-        if param == "gate_up_proj":
-            return [f"{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")]
-        return [str(e) for e in range(self.num_experts)]
+    def set_format(self, fmt: ExpertFormat, dtype: torch.dtype | None = None) -> None:
+        """(Re)creates the stacks in `fmt`'s storage; before loading, on the meta device."""
+        clear_params(self)
+        self.format = fmt
+        fmt.create_params(self, self.num_experts, self.hidden, self.intermediate, dtype or torch.get_default_dtype())
 
-    def load_shard(self, param: str, shard: str, tensor: torch.Tensor) -> None:
-        expert, _, part = shard.partition(".")
-        e = int(expert)
-        if not 0 <= e < self.num_experts:
-            raise ValueError(f"expert {e} out of range (the config has {self.num_experts})")
-        target = getattr(self, param)[e]
-        if part:
-            i = self.intermediate
-            target = target[:i] if part == "gate" else target[i:]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"expert {shard} of {param}: expected {tuple(target.shape)}, got {tuple(tensor.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.format.apply(self, x, topk_weights, topk_ids)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, " \
+            f"format={self.format!r}"
 
 
 class SparseMoE(nn.Module):
@@ -52,12 +49,12 @@ class SparseMoE(nn.Module):
         if m is None:
             raise ValueError("an moe layer needs ModelConfig.moe")
         self.top_k, self.renormalize = m.top_k, m.renormalize
-        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, m.num_experts, bias=False)
         self.experts = FusedExperts(m.num_experts, cfg.hidden_size, m.intermediate_size)
         self.shared_expert: GatedMLP | None = None
         if m.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, m.shared_intermediate_size, cfg.hidden_act)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.shared_fused = False
 
     @property
@@ -70,23 +67,21 @@ class SparseMoE(nn.Module):
         """Folds the shared expert into the routed ones, once weights are loaded: it becomes expert E, always
         chosen, with weight sigmoid(its gate), and its gate becomes row E of the router. One router GEMM and
         one grouped-GEMM pair then do what took seven more kernels per layer (the decode step is launch
-        bound). Needs the shared expert's width to equal the routed experts' (Qwen3-Next, Qwen3.5-MoE)."""
-        se, ex = self.shared_expert, self.experts
-        if se is None or self.shared_fused or se.down_proj.weight.shape[1] != ex.intermediate:
+        bound). Needs the shared expert's width to equal the routed experts' (Qwen3-Next, Qwen3.5-MoE),
+        and formats that can hold it (their fold_in / concat_out); otherwise nothing changes."""
+        se = self.shared_expert
+        if se is None or self.shared_fused or not self.gate.format.can_concat_out(self.gate, self.shared_expert_gate):
             return
-        ex.gate_up_proj = nn.Parameter(torch.cat([ex.gate_up_proj, se.gate_up_proj.weight[None]]),
-                                       requires_grad=False)
-        ex.down_proj = nn.Parameter(torch.cat([ex.down_proj, se.down_proj.weight[None]]), requires_grad=False)
-        ex.num_experts += 1
-        self.gate.weight = nn.Parameter(torch.cat([self.gate.weight, self.shared_expert_gate.weight]),
-                                        requires_grad=False)
+        if not self.experts.format.fold_in(self.experts, se.gate_up_proj, se.down_proj):
+            return
+        self.gate.format.concat_out(self.gate, self.shared_expert_gate)
         self.shared_expert = None
         del self.shared_expert_gate
         self.shared_fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
-        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
