@@ -73,14 +73,15 @@ class GemvDispatcher:
     def _choose(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 sms: int):
         """Times every candidate on this shape (M rounded up to the bucket) and keeps the fastest that
-        matches F.linear; timing is a CUDA-graph replay of REPS calls, each after an L2 flush, minus the
-        flushes alone."""
+        matches F.linear. Timing: a CUDA-graph replay of a few calls, each after an L2 flush, minus the
+        flushes alone. The flush reads (sums) a buffer of twice the L2 size: a write flush would leave dirty
+        lines whose write-back would slow the timed GEMV."""
         from lamina.kernels import triton_gemv as tg
 
         m = key[0]
         xb = torch.randn(m, x.shape[1], dtype=x.dtype, device=x.device)
         ref = F.linear(xb, weight, bias).float()
-        flush = torch.empty(2 * _l2_bytes(x.device), dtype=torch.uint8, device=x.device)
+        flush = torch.ones(2 * _l2_bytes(x.device) // 4, dtype=torch.float32, device=x.device)
         results: list[tuple[float, object]] = []
         for cfg in tg.candidate_configs(m, key[1], key[2], sms):
             ws = self._workspace(key, cfg, x.device)
@@ -111,7 +112,7 @@ def _graph_time_us(fn, flush: torch.Tensor, reps: int = 8, replays: int = 5) -> 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(reps):
-                flush.zero_()
+                flush.sum()
                 if with_fn:
                     fn()
         return graph
