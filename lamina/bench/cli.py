@@ -43,7 +43,9 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--input-len", type=int, default=128)
     lat.add_argument("--output-len", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
-    lat.add_argument("--baseline", choices=["none", "hf"], default="none")
+    lat.add_argument("--baseline", choices=["none", "hf", "hf-compiled", "hf-both"], default="none",
+                     help="hf: HF generate (dynamic cache, eager); hf-compiled: static cache + torch.compile; "
+                          "hf-both: both, one after the other")
     lat.add_argument("--hf-attn", default="sdpa")
     lat.add_argument("--peak-tflops", type=float, default=790.0,
                      help="matmul rate to compute MFU against (H200 bf16, measured: 790)")
@@ -154,11 +156,16 @@ def cmd_latency(args: argparse.Namespace) -> int:
     result["prefill_mfu"] = result["prefill_tflops"] / args.peak_tflops
     device, dtype = eng.device, eng.dtype
     del llm, eng
-    if args.baseline == "hf":
+    if args.baseline != "none":
         _report(result, args.result_file)
         _free_device(device)
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
-        result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)
-        result["ratio_decode_tok_s"] = lat["decode_tok_s"] / result["hf"]["decode_tok_s"]
+        if args.baseline in ("hf", "hf-both"):
+            result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)
+            result["ratio_decode_tok_s"] = lat["decode_tok_s"] / result["hf"]["decode_tok_s"]
+            _report(result, args.result_file)
+        if args.baseline in ("hf-compiled", "hf-both"):
+            result["hf_compiled"] = hf_baseline.hf_latency_compiled(model, prompt, args.output_len, device)
+            result["ratio_decode_tok_s_hf_compiled"] = lat["decode_tok_s"] / result["hf_compiled"]["decode_tok_s"]
     _report(result, args.result_file)
     return 0
