@@ -87,3 +87,29 @@ def test_dispatch_matches_reference_on_this_device():
     assert rel_err(out, oq) < TOL[torch.float32]
     w = slots[slots >= 0]
     assert rel_err(dkc.view(-1, 2, 128).cpu()[w], okc.view(-1, 2, 128)[w]) < TOL[torch.float32]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_prep_cuda_graph_replays_new_positions_and_slots():
+    from lamina.kernels.triton_attention_prep import qk_norm_rope_store_triton
+
+    q, k, v, pos, table, kc, vc, slots, (qw, kw), offset = make_inputs("qwen3_decode", torch.bfloat16, seed=5)
+    q, k, v, pos, table, kc, vc, slots, qw, kw = (x.cuda() for x in (q, k, v, pos, table, kc, vc, slots, qw, kw))
+    out = torch.empty(q.shape, dtype=q.dtype, device="cuda")
+    qk_norm_rope_store_triton(q, k, v, pos, table, kc, vc, slots, qw, kw, 1e-6, offset, q_out=out)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qk_norm_rope_store_triton(q, k, v, pos, table, kc, vc, slots, qw, kw, 1e-6, offset, q_out=out)
+    for seed in (11, 12):
+        nq, nk, nv, npos, _, _, _, nslots, _, _ = make_inputs("qwen3_decode", torch.bfloat16, seed=seed)
+        for dst, src in ((q, nq), (k, nk), (v, nv), (pos, npos), (slots, nslots)):
+            dst.copy_(src)
+        kc.fill_(float("nan"))
+        vc.fill_(float("nan"))
+        graph.replay()
+        okc, ovc = kc.float().nan_to_num(0).cpu(), vc.float().nan_to_num(0).cpu()
+        ref = qk_norm_rope_store_ref(q.float().cpu(), k.float().cpu(), v.float().cpu(), pos.cpu(), table.cpu(),
+                                     torch.zeros_like(okc), torch.zeros_like(ovc), slots.cpu(), qw.float().cpu(),
+                                     kw.float().cpu(), 1e-6, offset)
+        assert rel_err(out, ref) < TOL[torch.bfloat16]

@@ -98,3 +98,24 @@ def test_dispatcher_tunes_once_and_matches_linear():
     assert len(d.configs) == 3 and all(d.timings.values())
     x = torch.randn(17, 4096, device="cuda").bfloat16()
     assert not d.accepts(x, w, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_split_k_gemv_cuda_graph_replays():
+    from lamina.kernels.triton_gemv import GemvConfig, gemv, new_workspace
+
+    cfg = GemvConfig(16, 256, 4, 4, 4, True)
+    w = (torch.randn(1024, 4096, device="cuda") / 64).bfloat16()
+    x = torch.randn(5, 4096, device="cuda").bfloat16()
+    ws = new_workspace(5, 1024, cfg, x.device)
+    out = gemv(x, w, None, cfg, ws)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(x, w, None, cfg, ws, out=out)
+    for _ in range(3):
+        x.copy_(torch.randn(5, 4096, device="cuda").bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out, F.linear(x.float(), w.float())) < TOL[torch.bfloat16]
+    assert int(ws[1].abs().sum()) == 0
