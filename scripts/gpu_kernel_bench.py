@@ -69,10 +69,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def graph_us(fn, reps: int) -> float:
-    """Median microseconds per call of fn(i), i = 0..reps-1, captured back to back in one CUDA graph."""
-    import triton.testing
-
+def graph_us(fn, reps: int, replays: int = 15) -> float:
+    """Median microseconds per call of fn(i), i = 0..reps-1, captured back to back in one CUDA graph. No L2
+    flush between replays (do_bench's flush is a 256 MB write whose dirty lines would be written back during
+    the timed calls): callers that need cold weights rotate enough copies through the graph instead."""
     for i in range(min(reps, 2)):
         fn(i)
     torch.cuda.synchronize()
@@ -80,7 +80,17 @@ def graph_us(fn, reps: int) -> float:
     with torch.cuda.graph(graph):
         for i in range(reps):
             fn(i)
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / reps
+    for _ in range(2):
+        graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(samples)[len(samples) // 2]
 
 
 # ---------------------------------------------------------------- fused q/k norm + RoPE + KV store
