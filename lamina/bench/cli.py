@@ -42,8 +42,9 @@ def add_bench_parser(sub, all_commands: bool = True) -> None:
     lat.add_argument("--output-len", type=number_type(int, lambda v: v >= 2, "an integer >= 2"), default=128,
                      help="tokens to generate (>= 2)")
     lat.add_argument("--repeats", type=positive_int, default=3, help="timed runs (the median is reported)")
-    lat.add_argument("--baseline", choices=["none", "hf", "vllm"], default="none",
-                     help="also run HF transformers, or vLLM (in a child process)")
+    lat.add_argument("--baseline", choices=["none", "hf", "hf-compiled", "hf-both", "vllm"], default="none",
+                     help="hf: HF generate (dynamic cache, eager); hf-compiled: static cache + torch.compile; "
+                          "hf-both: both, one after the other; vllm: vLLM in a child process")
     lat.add_argument("--hf-attn", default="sdpa", help="HF attn_implementation")
     lat.add_argument("--peak-tflops", type=float, default=790.0,
                      help="matmul rate to compute MFU against (H200 bf16, measured: 790)")
@@ -144,12 +145,17 @@ def cmd_latency(args: argparse.Namespace) -> int:
     result["prefill_mfu"] = result["prefill_tflops"] / args.peak_tflops
     device, dtype = eng.device, eng.dtype
     del llm, eng
-    if args.baseline == "hf":
+    if args.baseline in ("hf", "hf-compiled", "hf-both"):
         report(result, args.result_file, show=False)
         _free_device(device)
         model = hf_baseline.load_hf(args.model, dtype, device, args.hf_attn)
-        result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)
-        result["ratio_decode_tok_s"] = lat["decode_tok_s"] / result["hf"]["decode_tok_s"]
+        if args.baseline in ("hf", "hf-both"):
+            result["hf"] = hf_baseline.hf_latency(model, prompt, args.output_len, device)
+            result["ratio_decode_tok_s"] = lat["decode_tok_s"] / result["hf"]["decode_tok_s"]
+            report(result, args.result_file, show=False)
+        if args.baseline in ("hf-compiled", "hf-both"):
+            result["hf_compiled"] = hf_baseline.hf_latency_compiled(model, prompt, args.output_len, device)
+            result["ratio_decode_tok_s_hf_compiled"] = lat["decode_tok_s"] / result["hf_compiled"]["decode_tok_s"]
     if args.baseline == "vllm":
         vllm_baseline.compare_latency(result, args, prompt, device, dtype)
     report(result, args.result_file)

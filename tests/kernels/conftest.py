@@ -9,10 +9,19 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (tests import lazily)
+_SET_INTERPRET = (not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+                  and "TRITON_INTERPRET" not in os.environ)
+if _SET_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # for kernel_helpers.INTERPRET; kernel modules are imported lazily
+    import triton.language  # noqa: F401  (triton decorates its own library functions for the interpreter now)
 
 from kernel_helpers import CUDA, INTERPRET  # noqa: E402
+
+if _SET_INTERPRET:
+    # Set only while a kernel test runs (the fixture below): left in os.environ it reached every subprocess
+    # the rest of the session starts, and the server tests' engine misbehaves under it
+    # (test_disconnect_mid_stream_frees_everything failed whenever a kernel test ran first).
+    del os.environ["TRITON_INTERPRET"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,8 +32,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _triton():
+def _triton(monkeypatch):
     pytest.importorskip("triton")
+    if _SET_INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # before the test imports a kernel module
     if INTERPRET:
         import triton.runtime.interpreter as interp
 

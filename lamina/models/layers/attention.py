@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from lamina.cache.specs import FullAttentionSpec, KVBlocks, SlidingWindowSpec
-from lamina.kernels.attention import AttentionMetadata, paged_attention, store_kv
-from lamina.kernels.rope import apply_rope
+from lamina.kernels.attention import AttentionMetadata, paged_attention
+from lamina.kernels.attention_prep import qk_norm_rope_store
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import Linear
 from lamina.models.layers.norm import RMSNorm
@@ -53,6 +53,13 @@ class AttentionBase(nn.Module):
     def cos_sin_cache(self) -> torch.Tensor:
         return self.rope.table
 
+    def _norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """q/k norm (if the model has it), RoPE, and the KV store in one op; returns the new q."""
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) if self.qk_norm else ()
+        return qk_norm_rope_store(q, k, v, positions, self.cos_sin_cache, self.k_cache, self.v_cache,
+                                  meta.slot_mapping, *norm)
+
 
 class Attention(AttentionBase):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> None:
@@ -69,9 +76,6 @@ class Attention(AttentionBase):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, positions, self.cos_sin_cache)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = self._norm_rope_store(q, k, v, positions, meta)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, -1))

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn  # noqa: F401  (kept for the state-binding rework of this class)
 
-from lamina.kernels.attention import AttentionMetadata, paged_attention, store_kv
-from lamina.kernels.rope import apply_rope
+from lamina.kernels.attention import AttentionMetadata, paged_attention
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.attention import AttentionBase
 from lamina.models.layers.linear import Linear
@@ -33,10 +32,7 @@ class GatedAttention(AttentionBase):
         q, gate = qg.view(t, h, 2 * d).chunk(2, dim=-1)
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
-        if self.qk_norm:
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k)
-        q, k = apply_rope(q, k, positions, self.cos_sin_cache)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = self._norm_rope_store(q, k, v, positions, meta)  # q is a strided view: read in place
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
         out = out.reshape(t, h * d) * torch.sigmoid(gate.reshape(t, h * d))
         return self.o_proj(out)

@@ -1,0 +1,144 @@
+"""Decode linear: the Triton GEMV (triton_gemv.py) for M <= 16 rows on CUDA when switched on, else F.linear.
+
+Opt-in: GemvDispatcher(enabled=None) reads LAMINA_TRITON_GEMV=1 once, at construction. The dispatcher owns
+the per-shape config choice (timed once per (M bucket, N, K, dtype, bias, device) on the first CUDA call)
+and the split-K workspaces; one dispatcher per model is enough (workspaces are reused across layers of the
+same shape, which run one after another on one stream). F.linear is the reference and the fallback.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from lamina.kernels.dispatch import use_triton
+
+MAX_M = 16
+ENV_SWITCH = "LAMINA_TRITON_GEMV"
+
+
+class GemvDispatcher:
+    """Chooses and runs the decode GEMV. Not thread-safe; use it from the thread that runs the model."""
+
+    def __init__(self, enabled: bool | None = None, tune: bool = True) -> None:
+        self.enabled = os.environ.get(ENV_SWITCH) == "1" if enabled is None else enabled
+        self.tune = tune
+        self.configs: dict[tuple, object] = {}  # shape key -> GemvConfig (timed winner)
+        self.timings: dict[tuple, list[tuple[str, float]]] = {}  # shape key -> [(config label, us)] (reports)
+        self.rejected: dict[tuple, list[str]] = {}  # shape key -> configs that failed the check or to compile
+        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sms: dict[int, int] = {}
+
+    def accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the GEMV handles this call (else the caller uses F.linear)."""
+        if not (self.enabled and use_triton(x)) or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+            return False
+        m = x.numel() // max(x.shape[-1], 1)
+        return (1 <= m <= MAX_M and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0
+                and (bias is None or (bias.dim() == 1 and bias.is_contiguous())))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from lamina.kernels import triton_gemv as tg
+
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m, k = x2.shape
+        n = weight.shape[0]
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        sms = self._sms.get(dev) or self._sms.setdefault(dev, tg._num_sms(x.device))
+        key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev)
+        cfg = self.configs.get(key)
+        if cfg is None:
+            if torch.cuda.is_current_stream_capturing() or not self.tune:
+                cfg = tg.heuristic_config(m, n, k, sms, allow_split=False)  # nothing to time or allocate here
+            else:
+                cfg = self._choose(key, x2, weight, bias, sms)
+        y = tg.gemv(x2, weight, bias, cfg, self._workspace(key, cfg, x.device))
+        return y.view(*x.shape[:-1], n)
+
+    def _workspace(self, key: tuple, cfg, device: torch.device):
+        from lamina.kernels import triton_gemv as tg
+
+        if cfg.split_k == 1:
+            return None
+        wkey = (key, cfg)
+        ws = self._workspaces.get(wkey)
+        if ws is None:  # kept for the dispatcher's lifetime: captured graphs hold these pointers
+            ws = self._workspaces[wkey] = tg.new_workspace(key[0], key[1], cfg, device)
+        return ws
+
+    def _choose(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                sms: int):
+        """Times every candidate on this shape (M rounded up to the bucket) and keeps the fastest that
+        matches F.linear. Timing: a CUDA-graph replay of a few calls, each after an L2 flush, minus the
+        flushes alone. The flush reads (sums) a buffer of twice the L2 size: a write flush would leave dirty
+        lines whose write-back would slow the timed GEMV."""
+        from lamina.kernels import triton_gemv as tg
+
+        m = key[0]
+        xb = torch.randn(m, x.shape[1], dtype=x.dtype, device=x.device)
+        ref = F.linear(xb, weight, bias).float()
+        flush = torch.ones(2 * _l2_bytes(x.device) // 4, dtype=torch.float32, device=x.device)
+        results: list[tuple[float, object]] = []
+        for cfg in tg.candidate_configs(m, key[1], key[2], sms):
+            ws = self._workspace(key, cfg, x.device)
+            try:
+                y = tg.gemv(xb, weight, bias, cfg, ws)
+                err = ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                if err < 2e-2:
+                    t = _graph_time_us(lambda cfg=cfg, ws=ws, y=y: tg.gemv(xb, weight, bias, cfg, ws, out=y), flush)
+                    results.append((t, cfg))
+                else:
+                    self.rejected.setdefault(key, []).append(f"{cfg.label()}: error {err:.1e}")
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or fit is no candidate
+                self.rejected.setdefault(key, []).append(f"{cfg.label()}: {type(exc).__name__}")
+        if not results:
+            return tg.heuristic_config(m, key[1], key[2], sms, allow_split=False)
+        results.sort(key=lambda r: r[0])
+        self.timings[key] = [(c.label(), t) for t, c in results]
+        self.configs[key] = results[0][1]
+        return results[0][1]
+
+
+def _l2_bytes(device: torch.device) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20))
+
+
+def _graph_time_us(fn, flush: torch.Tensor, reps: int = 8, replays: int = 5) -> float:
+    def captured(with_fn: bool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                flush.sum()
+                if with_fn:
+                    fn()
+        return graph
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for with_fn in (True, False):
+        graph = captured(with_fn)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        times.append(sorted(samples)[len(samples) // 2])
+    return max(times[0] - times[1], 0.0) * 1e3 / reps
+
+
+def linear_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  dispatcher: GemvDispatcher | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the Triton GEMV where `dispatcher` is switched on and accepts the
+    call (CUDA, M <= 16 rows, bf16/fp16 with matching dtypes)."""
+    if dispatcher is not None and dispatcher.accepts(x, weight, bias):
+        return dispatcher(x, weight, bias)
+    return F.linear(x, weight, bias)

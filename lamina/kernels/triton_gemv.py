@@ -1,0 +1,193 @@
+"""Decode GEMV / skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M = 1..16, weight-bandwidth bound.
+
+At decode the activations are a few rows and the weights are read once per step, so the kernel's only job is
+to stream W at copy bandwidth: each program owns BLOCK_N weight rows and a 1/SPLIT_K share of K, loops over
+[BLOCK_N, BLOCK_K] tiles (software-pipelined, num_stages deep) and keeps an fp32 [BLOCK_M, BLOCK_N]
+accumulator. Two inner products: `dot` pads M to 16 and uses the tensor cores (mma), so 16 rows cost no more
+than one; `fma` multiplies on the CUDA cores with BLOCK_M = M rounded up (1, 2 or 4), no padding.
+
+Split-K (small N, long K): each split writes its fp32 partial tile to a workspace and bumps a per-N-block
+counter (acq_rel atomic after a CTA barrier); the program that arrives last sums the SPLIT_K partials in a
+fixed order (deterministic), adds the bias, writes y and resets the counter to 0, so the next launch (or a
+CUDA-graph replay) finds it zeroed. One launch, no memset, no host sync; the grid comes from host shapes.
+
+Config choice: `candidate_configs` lists a few tiles per (M, N, K); GemvDispatcher times them once per shape
+on the first CUDA call (CUDA-graph replays with an L2 flush in between, so weights come from HBM as at
+decode) and keeps the winner and the split-K workspaces in dicts it owns. While a graph is being captured it
+uses the heuristic pick with no split (it cannot time or allocate there). Interpreter caveat: bf16 `tl.dot`
+is wrong under TRITON_INTERPRET (raw bits), so CPU tests check the dot configs in fp16/fp32 only.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 16  # the dispatcher (gemv.py) sends at most this many rows here
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:  # no mask along K: the loads stay 16-byte vectors
+            xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < k_end
+            xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(xt, tl.trans(wt), input_precision=DOT_PREC)
+        else:
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        n_blocks = tl.num_programs(0)
+        tl.store(part_ptr + (pid_k * n_blocks + pid_n).to(tl.int64) * (BLOCK_M * BLOCK_N) + tile, acc)
+        tl.debug_barrier()  # every thread's partial is issued before the counter is released
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last split of this N block reduces
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part_ptr + (s * n_blocks + pid_n).to(tl.int64) * (BLOCK_M * BLOCK_N) + tile,
+                                 cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    warps: int = 4
+    stages: int = 3
+    dot: bool = True
+
+    def block_m(self, m: int) -> int:
+        return 16 if self.dot else triton.next_power_of_2(m)
+
+    def label(self) -> str:
+        return (f"{'dot' if self.dot else 'fma'} n{self.block_n} k{self.block_k} s{self.split_k} "
+                f"w{self.warps} st{self.stages}")
+
+
+# Tiles per inner product: dot pads M to 16 (tensor cores); fma keeps M (<= 4) and multiplies on CUDA cores,
+# register use ~ BLOCK_M * BLOCK_N * BLOCK_K / threads.
+_DOT_TILES = [(16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4)]
+_FMA_TILES = [(4, 1024, 4, 3), (8, 512, 4, 3), (16, 256, 4, 4)]
+# Whole 4096-wide rows in one load (1-2 rows of x only: registers): every byte of a program in flight at once,
+# the layout that took the MoE expert GEMVs from 1.8 to 3.0 TB/s (GPU_KERNELS.md).
+_FMA_WIDE = (2, 4096, 8, 1)
+
+
+def auto_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Power-of-two split of K so that about four programs run per SM, each with >= 2 K tiles, at most 16."""
+    n_blocks = triton.cdiv(n, block_n)
+    split = 1
+    while split < 16 and n_blocks * split < 4 * num_sms and k // (2 * split) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
+    """The configs timed for one shape: each tile without split and with auto_split's split (deduplicated)."""
+    tiles = [(t, True) for t in _DOT_TILES]
+    if m <= 4:
+        tiles = [(t, False) for t in _FMA_TILES + ([_FMA_WIDE] if m <= 2 else [])] + tiles
+    out: list[GemvConfig] = []
+    for (bn, bk, warps, stages), dot in tiles:
+        bk = min(bk, max(16, triton.next_power_of_2(k)))
+        for split in sorted({1, auto_split(n, k, bn, bk, num_sms)}):
+            cfg = GemvConfig(bn, bk, split, warps, stages, dot)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def heuristic_config(m: int, n: int, k: int, num_sms: int, allow_split: bool = True) -> GemvConfig:
+    """The untimed pick: fma for 1-2 rows, dot above; split-K only where N alone gives too few programs."""
+    bn, bk, warps, stages = _FMA_TILES[1] if m <= 2 else _DOT_TILES[0]
+    bk = min(bk, max(16, triton.next_power_of_2(k)))
+    split = auto_split(n, k, bn, bk, num_sms) if allow_split else 1
+    return GemvConfig(bn, bk, split, warps, stages, dot=m > 2)
+
+
+def workspace_shape(m: int, n: int, cfg: GemvConfig) -> tuple[int, int]:
+    """(fp32 partial elements, int32 counters) a split-K launch needs; (0, 0) without split."""
+    if cfg.split_k == 1:
+        return 0, 0
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    return cfg.split_k * n_blocks * cfg.block_m(m) * cfg.block_n, n_blocks
+
+
+def new_workspace(m: int, n: int, cfg: GemvConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    parts, counters = workspace_shape(m, n, cfg)
+    return (torch.empty(max(parts, 1), dtype=torch.float32, device=device),
+            torch.zeros(max(counters, 1), dtype=torch.int32, device=device))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+         workspace: tuple[torch.Tensor, torch.Tensor] | None = None, *, out: torch.Tensor | None = None,
+         num_sms: int | None = None) -> torch.Tensor:
+    """y = x @ weight.T + bias. x: [M, K] (M <= 16, unit stride on K), weight: [N, K] contiguous rows, same
+    dtype as x; bias [N] or None. Without `config` the heuristic pick is used; a split-K config needs a
+    workspace (new_workspace; counters zero, which every launch leaves them) or gets a fresh one."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= MAX_M and weight.shape[1] == k and x.dtype == weight.dtype
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    if config is None:
+        config = heuristic_config(m, n, k, num_sms or _num_sms(x.device))
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if config.split_k > 1 and workspace is None:
+        workspace = new_workspace(m, n, config, x.device)
+    parts, counters = workspace if config.split_k > 1 else (out, out)
+    bk = config.block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, bk), config.split_k) * bk
+    grid = (triton.cdiv(n, config.block_n), config.split_k)
+    _gemv_kernel[grid](
+        x, weight, bias if bias is not None else out, out, parts, counters, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), k_per_split, BLOCK_M=config.block_m(m), BLOCK_N=config.block_n, BLOCK_K=bk,
+        SPLIT_K=config.split_k, USE_DOT=config.dot, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.warps,
+        num_stages=config.stages)
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H200's count: interpreter runs pick the same configs as the GPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _bucket(m: int) -> int:
+    return triton.next_power_of_2(m)
