@@ -13,6 +13,7 @@ import torch
 
 from lamina.engine.runner import ForwardBatch
 from lamina.kernels.attention import AttentionMetadata
+from lamina.kernels.metadata import StateMetadata, StepContext
 
 log = logging.getLogger("lamina")
 
@@ -47,18 +48,19 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _context(self, bs: int) -> StepContext:
         # Host-side fields describe the worst case: kernels size their grids from them, never from data.
-        meta = AttentionMetadata(self.slot_mapping[:bs], self.query_start[:bs + 1], self.seq_lens[:bs],
+        attn = AttentionMetadata(self.slot_mapping[:bs], self.query_start[:bs + 1], self.seq_lens[:bs],
                                  self.block_tables[:bs], list(range(bs + 1)), [self.max_model_len] * bs,
                                  1, self.max_model_len)
+        state = None
         if self.state_slots is not None:
-            meta.state_slots, meta.has_initial_state = self.state_slots[:bs], self.has_initial_state[:bs]
-            meta.state_slots_cpu = [self.padding_slot] * bs
-        return meta
+            state = StateMetadata(self.state_slots[:bs], self.has_initial_state[:bs], [self.padding_slot] * bs,
+                                  [True] * bs)
+        return StepContext(attn, state)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.logits_indices[:bs])
+        return self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs), self.logits_indices[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -79,15 +81,15 @@ class CudaGraphRunner:
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        meta = batch.attn
+        meta = batch.ctx.attn
         n = meta.num_seqs
         return (meta.is_decode_only and n <= self.max_bs and batch.logits_indices.shape[0] == n
                 and meta.block_tables.shape[1] <= self.max_blocks
-                and (meta.state_slots is None) == (self.state_slots is None))
+                and (batch.ctx.state is None) == (self.state_slots is None))
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        meta = batch.attn
+        meta, state = batch.ctx.attn, batch.ctx.state
         n = meta.num_seqs
         bs = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
@@ -98,8 +100,8 @@ class CudaGraphRunner:
         self.seq_lens[n:bs].fill_(1)
         self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
         if self.state_slots is not None:
-            self.state_slots[:n].copy_(meta.state_slots, non_blocking=True)
+            self.state_slots[:n].copy_(state.slots, non_blocking=True)
             self.state_slots[n:bs].fill_(self.padding_slot)
-            self.has_initial_state[:n].copy_(meta.has_initial_state, non_blocking=True)
+            self.has_initial_state[:n].copy_(state.has_initial_state, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

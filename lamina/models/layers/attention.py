@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lamina.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from lamina.kernels.attention import paged_attention, store_kv
+from lamina.kernels.metadata import StepContext
 from lamina.kernels.rope import apply_rope
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import MergedLinear
@@ -29,7 +30,7 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.cos_sin_cache: torch.Tensor | None = None  # shared by all layers, set by the model
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -40,6 +41,6 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, positions, self.cos_sin_cache)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        store_kv(k, v, self.k_cache, self.v_cache, ctx.attn.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, ctx.attn, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, -1))
