@@ -16,15 +16,15 @@ from lamina.engine.engine import LLMEngine
 from lamina.sampling_params import SamplingParams
 
 CASES = {
-    "greedy": dict(temperature=0),
-    "temp=0.8 top_k=50 top_p=0.9": dict(temperature=0.8, top_k=50, top_p=0.9),
-    "top_p=0.9 only": dict(temperature=0.8, top_p=0.9),
-    "min_p=0.05": dict(temperature=0.8, min_p=0.05),
-    "penalties rep1.1 pres0.5 freq0.5": dict(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5,
-                                             frequency_penalty=0.5),
-    "seeded temp=0.8": dict(temperature=0.8, seed=1),
-    "seeded top_k=50": dict(temperature=0.8, top_k=50, seed=1),
-    "logprobs=5 greedy": dict(temperature=0, logprobs=5),
+    "greedy": {"temperature": 0},
+    "temp=0.8 top_k=50 top_p=0.9": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+    "top_p=0.9 only": {"temperature": 0.8, "top_p": 0.9},
+    "min_p=0.05": {"temperature": 0.8, "min_p": 0.05},
+    "penalties rep1.1 pres0.5 freq0.5": {"temperature": 0.8, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+                                         "frequency_penalty": 0.5},
+    "seeded temp=0.8": {"temperature": 0.8, "seed": 1},
+    "seeded top_k=50": {"temperature": 0.8, "top_k": 50, "seed": 1},
+    "logprobs=5 greedy": {"temperature": 0, "logprobs": 5},
 }
 
 

@@ -13,7 +13,7 @@ from lamina import LLM, SamplingParams
 from lamina.engine.block_tables import BlockTables
 from lamina.engine.detokenizer import initial_state
 from lamina.engine.inflight import PENDING
-from lamina.engine.request import Sequence, SeqStatus
+from lamina.engine.request import SeqStatus, Sequence
 from lamina.engine.sampler import Sampler, _penalize
 from lamina.engine.sampling_metadata import build_arrays, to_device
 from lamina.engine.staging import StepStaging
@@ -224,3 +224,30 @@ def test_step_failures_reach_the_metric():
     metrics.on_iteration(IterationStats(), EngineStats(0, 0, 1, 1, num_step_failures=2))
     metrics.on_iteration(IterationStats(), EngineStats(0, 0, 1, 1, num_step_failures=3))
     assert b'lamina:engine_step_failures_total{model_name="m"} 3.0' in metrics.render()[0]
+
+
+def test_penalized_rows_overlap_without_a_sync(checkpoints, monkeypatch):
+    """Penalties read a history token still in flight from the device: read back one step late (no sync
+    forced), the outputs equal those of the synchronous engine, for every penalty and min_tokens."""
+    from lamina.engine import sampler as sampler_mod
+
+    params = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8),
+              SamplingParams(temperature=0, max_tokens=16, presence_penalty=1.5, frequency_penalty=0.7),
+              SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, frequency_penalty=-0.5),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=16, min_tokens=10, presence_penalty=0.6)]
+    late_calls = []
+    real_late = sampler_mod._penalize_late
+    monkeypatch.setattr(sampler_mod, "_penalize_late", lambda lg, m: late_calls.append(1) or real_late(lg, m))
+    outs = {}
+    for overlap in (False, True):
+        llm = make(checkpoints["llama"], num_kv_blocks=256, async_scheduling=overlap)
+        eng, synced = llm.engine, []
+        real_commit = eng._commit
+        monkeypatch.setattr(eng, "_commit", lambda *a, _log=synced, _commit=real_commit:
+                            _log.append(_commit(*a)) or _log[-1])
+        res = llm.generate(prompts(4, seed=1), params, use_tqdm=False)
+        outs[overlap] = [o.outputs[0].token_ids for o in res]
+        assert all_free(llm)
+        if overlap:
+            assert not any(f.sync for f in synced) and late_calls  # left in flight; late tokens penalized
+    assert outs[True] == outs[False]

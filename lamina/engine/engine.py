@@ -23,7 +23,7 @@ from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
 from lamina.engine.memory import default_num_snapshots, plan_kv_blocks, resolve_device, resolve_dtype
 from lamina.engine.request import RequestGroup, Sequence
 from lamina.engine.runner import ModelRunner
-from lamina.engine.sampler import Sampler, needs_history
+from lamina.engine.sampler import Sampler
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.scheduler import ScheduledSeq, Scheduler
 from lamina.engine.stop import apply_stop_strings, check_token_stop
@@ -309,10 +309,9 @@ class LLMEngine:
                 # it gets is known only when read back.
                 sampled.append((seq, seq.num_tokens, item.num_sampled))
                 seq.token_ids.append(PENDING)
-        # Rows whose next sampling reads their history need their token on the host before that; a verify
-        # step must be read back before the sequence's next positions are known.
-        sync = (not self.async_scheduling or any(needs_history(s) for s, _, _ in sampled)
-                or any(n > 1 for _, _, n in sampled))
+        # A verify step must be read back before the sequence's next positions are known. (Penalties need no
+        # sync: the next step's sampler reads a history token still in flight from these draws.)
+        sync = not self.async_scheduling or any(n > 1 for _, _, n in sampled)
         return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None)
 
     def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup]) -> None:

@@ -146,7 +146,7 @@ class ModelRunner:
             parts.append(sample_rows)
         arrays: SamplingArrays | None = None
         if sampler is not None and sampled and self.vocab is not None:
-            arrays = sampler.arrays(sampled, offsets, self.vocab)
+            arrays = sampler.arrays(sampled, offsets, self.vocab, pending.first if pending is not None else None)
             n_fixed = len(parts)
             parts += array_list(arrays)
         for p in parts:
@@ -169,7 +169,11 @@ class ModelRunner:
         d_sample_rows = None
         if sample_rows is not None:
             d_sample_rows = dev[k]
-        sampling = metadata_from(arrays, dev[n_fixed:], sampled) if arrays is not None else None
+        sampling = None
+        if arrays is not None:
+            sampling = metadata_from(arrays, dev[n_fixed:], sampled)
+            if arrays.late_row.size:
+                sampling.late_tokens = pending.tokens
         return ForwardBatch(d_ids, d_pos, StepContext(attn, state), d_logits, lstart, nlog, d_sample_rows,
                             sampled, offsets, sampling)
 

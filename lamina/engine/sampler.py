@@ -70,6 +70,23 @@ def _penalize(logits: torch.Tensor, m: SamplingMetadata) -> None:
     logits[m.pen_row, m.pen_token] = vals
 
 
+def _penalize_late(logits: torch.Tensor, m: SamplingMetadata) -> None:
+    """The same penalties for history tokens still in flight (read from the last step's draws on the device,
+    after _penalize applied the known history): repetition only if the token was not in the history yet,
+    frequency once more, presence only if it was not in the output yet."""
+    tok = m.late_tokens.index_select(0, m.late_src)
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[m.pen_row, m.pen_token] = True
+    in_out = torch.zeros_like(logits, dtype=torch.bool)
+    in_out[m.pen_row, m.pen_token] = m.pen_out_count > 0
+    was_seen, was_out = seen[m.late_row, tok], in_out[m.late_row, tok]
+    vals = logits[m.late_row, tok]
+    rep = m.late_repetition
+    vals = torch.where(was_seen, vals, torch.where(vals > 0, vals / rep, vals * rep))
+    vals = vals - m.late_frequency - torch.where(was_out, 0.0, m.late_presence)
+    logits[m.late_row, tok] = vals
+
+
 def _sort_filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Masks tokens outside top-k / top-p with -inf by sorting the whole vocabulary (the fallback)."""
     v = x.shape[1]
@@ -97,9 +114,10 @@ class Sampler:
         self.seed = seed
         self._gens: dict[torch.device, torch.Generator] = {}
 
-    def arrays(self, rows: list[Sequence], offsets: list[int] | None, vocab: int) -> SamplingArrays:
+    def arrays(self, rows: list[Sequence], offsets: list[int] | None, vocab: int,
+               pending: dict[int, tuple[int, int]] | None = None) -> SamplingArrays:
         """The host side of a step's SamplingMetadata (the runner ships it with the batch)."""
-        return build_arrays(rows, offsets, self.eos, vocab)
+        return build_arrays(rows, offsets, self.eos, vocab, pending)
 
     def _noise(self, m: SamplingMetadata, rows: torch.Tensor | None, idx: torch.Tensor | None, shape: tuple,
                num_seeded: int, device: torch.device) -> torch.Tensor:
@@ -162,10 +180,12 @@ class Sampler:
         logits = logits.float()
         m = meta if meta is not None else to_device(self.arrays(seqs, offsets, logits.shape[1]), seqs, logits.device)
         raw = logits
-        if m.pen_row.shape[0] or m.ban_row.shape[0]:
+        if m.pen_row.shape[0] or m.late_row.shape[0] or m.ban_row.shape[0]:
             logits = logits.clone()  # penalties edit in place; the raw logits stay for logprobs
             if m.pen_row.shape[0]:
                 _penalize(logits, m)
+            if m.late_row.shape[0]:
+                _penalize_late(logits, m)
             if m.ban_row.shape[0]:
                 logits[m.ban_row, m.ban_token] = float("-inf")
         tokens = logits.argmax(dim=-1)

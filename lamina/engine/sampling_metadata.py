@@ -20,6 +20,7 @@ from lamina.engine.request import Sequence
 # k <= vocab / CANDIDATE_SHARE (past that a sort costs about the same).
 CANDIDATE_SHARE = 8
 
+_PENDING = -1  # lamina.engine.runner.PENDING (a sampled token not read back yet)
 _MIX = 0x9E3779B97F4A7C15
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -56,6 +57,12 @@ class SamplingArrays:
     pen_repetition: np.ndarray  # float32 [U] the row's repetition penalty (1: off)
     pen_presence: np.ndarray  # float32 [U]
     pen_frequency: np.ndarray  # float32 [U]
+    # History tokens still in flight (sampled by the step before, PENDING on the host), one entry each:
+    late_row: np.ndarray  # int64 [Q] the row
+    late_src: np.ndarray  # int64 [Q] the token's row in the in-flight step's draws (SamplingMetadata.late_tokens)
+    late_repetition: np.ndarray  # float32 [Q]
+    late_presence: np.ndarray  # float32 [Q]
+    late_frequency: np.ndarray  # float32 [Q]
     ban_row: np.ndarray  # int64 [N] (row, token) pairs banned below min_tokens
     ban_token: np.ndarray  # int64 [N]
     logprob_rows: np.ndarray  # int64 [L] rows that asked for logprobs
@@ -81,11 +88,17 @@ class SamplingMetadata:
     pen_repetition: torch.Tensor
     pen_presence: torch.Tensor
     pen_frequency: torch.Tensor
+    late_row: torch.Tensor
+    late_src: torch.Tensor
+    late_repetition: torch.Tensor
+    late_presence: torch.Tensor
+    late_frequency: torch.Tensor
     ban_row: torch.Tensor
     ban_token: torch.Tensor
     logprob_rows: torch.Tensor
     filtered_rows: torch.Tensor
     unfiltered_rows: torch.Tensor
+    late_tokens: torch.Tensor | None = None  # the in-flight step's sampled tokens (set by the runner)
     # Host-side facts (no device reads needed to branch on them):
     num_rows: int = 0
     all_greedy: bool = True
@@ -103,9 +116,12 @@ class SamplingMetadata:
     candidates: int = 0  # candidate-set size of the filtered rows (0: they need the full sort)
 
 
-def build_arrays(rows: list[Sequence], offsets: list[int] | None, eos: list[int], vocab: int) -> SamplingArrays:
+def build_arrays(rows: list[Sequence], offsets: list[int] | None, eos: list[int], vocab: int,
+                 pending: dict[int, tuple[int, int]] | None = None) -> SamplingArrays:
     """One pass over the sampled rows' parameters (offsets: each row's place among its sequence's sampled
-    rows this step; None: all 0). Out-of-range values are clamped here, so the device code never fails."""
+    rows this step; None: all 0). Out-of-range values are clamped here, so the device code never fails.
+    pending: where the step in flight samples each sequence's tokens (seq_id -> (index in token_ids of
+    the first, its first row in the draws)), for penalized histories that end in tokens not read back yet."""
     n = len(rows)
     offs = offsets if offsets is not None else [0] * n
     temp = np.ones(n, np.float32)
@@ -121,6 +137,7 @@ def build_arrays(rows: list[Sequence], offsets: list[int] | None, eos: list[int]
     ban_row: list[int] = []
     ban_token: list[int] = []
     lp_rows: list[int] = []
+    late: list[tuple[int, int, int]] = []  # (row, draws row, index into pen params)
     for r, (seq, off) in enumerate(zip(rows, offs)):
         p = seq.params
         if p.greedy:
@@ -146,6 +163,14 @@ def build_arrays(rows: list[Sequence], offsets: list[int] | None, eos: list[int]
                 hist_tokens += seq.draft_token_ids[:off]
             hist_lens.append(seq.num_tokens + off)
             hist_prompt.append(seq.num_prompt_tokens)
+            if seq.token_ids[-1] == _PENDING:  # only the newest tokens can be in flight
+                first = pending.get(seq.seq_id) if pending is not None else None
+                if first is None:
+                    raise RuntimeError(f"sequence {seq.seq_id} has a token in flight that no launched step samples")
+                i = seq.num_tokens - 1
+                while i >= first[0] and seq.token_ids[i] == _PENDING:
+                    late.append((r, first[1] + i - first[0], len(rep) - 1))
+                    i -= 1
         if n_out < p.min_tokens:
             banned = [t for t in p.stop_token_ids if 0 <= t < vocab]
             if not p.ignore_eos:
@@ -156,9 +181,11 @@ def build_arrays(rows: list[Sequence], offsets: list[int] | None, eos: list[int]
             lp_rows.append(r)
     pen = _distinct_history(pen_rows, hist_lens, hist_prompt, hist_tokens, vocab)
     row_params = [np.asarray(x, np.float32) for x in (rep, pres, freq)]
+    late_a = np.asarray(late, np.int64).reshape(-1, 3)
     return SamplingArrays(
         temp, greedy, top_k, top_p, log_min_p, keys, seeded,
         np.asarray(pen_rows, np.int64)[pen[0]], pen[1], pen[2], *(x[pen[0]] for x in row_params),
+        late_a[:, 0].copy(), late_a[:, 1].copy(), *(x[late_a[:, 2]] for x in row_params),
         np.asarray(ban_row, np.int64), np.asarray(ban_token, np.int64), np.asarray(lp_rows, np.int64),
         np.flatnonzero(~greedy & ((top_k < vocab) | (top_p < 1.0))),
         np.flatnonzero(~greedy & (top_k >= vocab) & (top_p >= 1.0)), vocab)
