@@ -218,10 +218,15 @@ class LLMEngine:
                 launched = self._launch(sched.scheduled)
             except Exception as exc:  # one request's failure must not fail the others: isolate it
                 self.num_step_failures += 1
-                prev, self.in_flight = self.in_flight, None
-                if prev is not None:
-                    self._resolve(prev, touched)
-                self._isolate([s for s in sched.scheduled if not s.seq.finished], exc, touched)
+                if self.state_pool is not None:
+                    # A forward that got far enough has already advanced the recurrent states in place, so
+                    # re-running it would compute from the wrong state: fail the step's requests instead.
+                    self._fail([s.seq for s in sched.scheduled], exc, touched)
+                else:  # KV stores are idempotent: the same step can run again
+                    prev, self.in_flight = self.in_flight, None
+                    if prev is not None:
+                        self._resolve(prev, touched)
+                    self._isolate([s for s in sched.scheduled if not s.seq.finished], exc, touched)
         prev, self.in_flight = self.in_flight, launched
         if prev is not None:
             self._resolve(prev, touched)
