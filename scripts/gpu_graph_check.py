@@ -41,7 +41,7 @@ def _count_steps(eng, counts: Counter) -> None:
     def execute(batch):
         g = runner.graphs
         key = g.pick(batch) if g is not None else None
-        mixed = not batch.attn.is_decode_only
+        mixed = not batch.ctx.attn.is_decode_only
         counts[("mixed" if mixed else "decode") + ("_graph" if key is not None else "_eager")] += 1
         if key is not None and not key.decode:
             counts["mixed_pad_rows"] += key.tokens - batch.input_ids.shape[0]

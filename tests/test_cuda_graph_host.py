@@ -99,7 +99,7 @@ class CheckedGraphs(CudaGraphRunner):
         for t, b in zip(pool, before):
             t.copy_(b)
         with torch.inference_mode():
-            ref = self.model(batch.input_ids, batch.positions, batch.attn, batch.logits_indices)
+            ref = self.model(batch.input_ids, batch.positions, batch.ctx, batch.logits_indices)
         pad = self.padding_slot
         for t, a in zip(pool, after):  # real slots end equal; padded rows wrote only the padding slot
             assert torch.allclose(t[:pad], a[:pad], atol=1e-5), (t[:pad] - a[:pad]).abs().max()

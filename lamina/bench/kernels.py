@@ -39,7 +39,11 @@ def _time(fn, repeats: int, device: torch.device) -> float:
 def cmd_gdn_prefill(args: argparse.Namespace) -> int:
     from lamina.bench.common import hardware, report
     from lamina.kernels.attention import AttentionMetadata
-    from lamina.kernels.gated_delta import chunk_gated_delta_rule_ref, gated_delta_rule_varlen
+    from lamina.kernels.gated_delta import (
+        chunk_gated_delta_rule_ref,
+        gated_delta_rule_varlen,
+    )
+    from lamina.kernels.metadata import StateMetadata
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     n, hk, hv, d = args.seq_len, args.num_k_heads, args.num_v_heads, args.head_dim
@@ -53,10 +57,9 @@ def cmd_gdn_prefill(args: argparse.Namespace) -> int:
     meta = AttentionMetadata(torch.zeros(n, dtype=torch.long, device=device),
                              torch.tensor([0, n], dtype=torch.int32, device=device),
                              torch.tensor([n], dtype=torch.int32, device=device),
-                             torch.zeros(1, 1, dtype=torch.int32, device=device), [0, n], [n], n, n,
-                             state_slots=torch.tensor([0], device=device), state_slots_cpu=[0],
-                             has_initial_state=torch.tensor([False], device=device))
-    kernel = lambda: gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, meta)  # noqa: E731
+                             torch.zeros(1, 1, dtype=torch.int32, device=device), [0, n], [n], n, n)
+    state = StateMetadata(torch.tensor([0], device=device), torch.tensor([False], device=device), [0], [False])
+    kernel = lambda: gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, meta, state)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     beta = b.sigmoid()
 

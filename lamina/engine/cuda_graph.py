@@ -86,13 +86,13 @@ class CudaGraphRunner:
     def body(self, key: GraphKey, exact_host: bool = False) -> torch.Tensor:
         """The backbone over key's padded rows, written into the shared hidden buffer; returns that view."""
         tp = key.tokens
-        meta = self.inputs.metadata(key, self.max_model_len, exact_host)
-        hidden = self.model.hidden_states(self.inputs.input_ids[:tp], self.inputs.positions[:tp], meta)
+        ctx = self.inputs.context(key, self.max_model_len, exact_host)
+        hidden = self.model.hidden_states(self.inputs.input_ids[:tp], self.inputs.positions[:tp], ctx)
         self.hidden[:tp].copy_(hidden)
         return self.hidden[:tp]
 
     def pick(self, batch) -> GraphKey | None:
-        meta = batch.attn
+        meta = batch.ctx.attn
         key = choose_key(batch.input_ids.shape[0], meta.num_seqs, meta.is_decode_only, self.decode_sizes,
                          self.mixed_sizes, self.max_num_seqs, meta.max_seq_len)
         return key if key is not None and self.inputs.fits(batch, key) else None

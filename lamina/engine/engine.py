@@ -19,9 +19,9 @@ from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
 from lamina.engine.memory import resolve_device, resolve_dtype
 from lamina.engine.request import RequestGroup, Sequence
 from lamina.engine.runner import ModelRunner
-from lamina.engine.sampler import Sampler, needs_history
+from lamina.engine.sampler import Sampler
 from lamina.engine.inflight import PENDING, InFlight
-from lamina.engine.scheduler import Scheduler, SchedulerOutput
+from lamina.engine.scheduler import ScheduledSeq, Scheduler
 from lamina.engine.startup import StartupTimer
 from lamina.engine.stop import apply_stop_strings, check_token_stop
 from lamina.outputs import CompletionOutput, RequestOutput
@@ -38,6 +38,7 @@ class EngineStats:
     num_total_blocks: int
     num_snapshot_hits: int = 0  # hybrid prefix-cache hits (restored state snapshots), cumulative
     num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, cumulative
+    num_step_failures: int = 0  # steps that raised and were retried without the requests that caused it
 
     @property
     def kv_cache_usage(self) -> float:
@@ -160,9 +161,12 @@ class LLMEngine:
         return EngineStats(len(running), len(waiting), self.allocator.num_free,
                            self.allocator.num_blocks,
                            self.prefix_cache.snapshot_hits if self.prefix_cache is not None else 0,
-                           self.prefix_cache.queried_tokens if self.prefix_cache is not None else 0)
+                           self.prefix_cache.queried_tokens if self.prefix_cache is not None else 0,
+                           self.num_step_failures)
 
     # ---- the step -------------------------------------------------------------------------------
+    num_step_failures = 0  # steps whose forward or sampling raised (each retried without its culprit)
+
     def step(self) -> list[RequestOutput]:
         """Schedules and launches one forward, then finishes the previous one while the device works.
 
@@ -175,9 +179,18 @@ class LLMEngine:
         launched = None
         if sched.scheduled:
             try:
-                launched = self._launch(sched)
-            except Exception as exc:  # a failure inside the model fails this step's requests, not the engine
-                self._fail([s.seq for s in sched.scheduled], exc, touched)
+                launched = self._launch(sched.scheduled)
+            except Exception as exc:  # one request's failure must not fail the others: isolate it
+                self.num_step_failures += 1
+                if self.state_pool is not None:
+                    # A forward that got far enough has already advanced the recurrent states in place, so
+                    # re-running it would compute from the wrong state: fail the step's requests instead.
+                    self._fail([s.seq for s in sched.scheduled], exc, touched)
+                else:  # KV stores are idempotent: the same step can run again
+                    prev, self.in_flight = self.in_flight, None
+                    if prev is not None:
+                        self._resolve(prev, touched)
+                    self._isolate([s for s in sched.scheduled if not s.seq.finished], exc, touched)
         prev, self.in_flight = self.in_flight, launched
         if prev is not None:
             self._resolve(prev, touched)
@@ -196,6 +209,28 @@ class LLMEngine:
                 self.groups.pop(rid, None)
         return outputs
 
+    def _isolate(self, items: list[ScheduledSeq], exc: Exception, touched: dict[str, RequestGroup]) -> None:
+        """A step over `items` raised `exc`: re-runs it in halves (each launched and read back at once), so
+        the sequences that make it fail are found by bisection and fail with their requests, while every
+        other sequence gets its step. Nothing is in flight meanwhile (the caller resolved it)."""
+        items = [s for s in items if not s.seq.finished]
+        if not items:
+            return
+        if len(items) == 1:
+            self._fail([items[0].seq], exc, touched)
+            return
+        half = len(items) // 2
+        for part in (items[:half], items[half:]):
+            part = [s for s in part if not s.seq.finished]  # the first half may have failed a shared request
+            if not part:
+                continue
+            try:
+                flight = self._launch(part)
+            except Exception as sub:
+                self._isolate(part, sub, touched)
+            else:
+                self._resolve(flight, touched)
+
     def _fail(self, seqs: list[Sequence], exc: Exception, touched: dict[str, RequestGroup]) -> None:
         log.error("engine step failed: %s", exc, exc_info=exc)
         for seq in seqs:
@@ -212,33 +247,41 @@ class LLMEngine:
                     self.scheduler.finish(s)
             touched[group.request_id] = group
 
-    def _launch(self, sched: SchedulerOutput) -> InFlight:
+    def _launch(self, scheduled: list[ScheduledSeq]) -> InFlight:
+        """Builds, runs and samples one step. Raises before changing any sequence if the batch, the
+        forward or the sampler fails (so the step can be retried); then commits the step's bookkeeping."""
         prev = self.in_flight
-        pending, tokens = None, None
-        if prev is not None and prev.draws is not None:
-            pending = {seq.seq_id: row for row, (seq, _) in enumerate(prev.sampled)}
-            tokens = prev.draws.token_ids
-        batch = self.runner.prepare(sched.scheduled, pending, tokens)
+        batch = self.runner.prepare(scheduled, prev.pending() if prev is not None else None, self.sampler)
         logits = self.runner.execute(batch)
-        sampled = [s.seq for s in sched.scheduled if s.sample]
-        draws = self.sampler.sample(logits[batch.sample_rows], sampled) if sampled else None
-        for item, (row0, nrows) in zip(sched.scheduled, batch.logits_rows):
+        draws = None
+        if batch.sampled:
+            draws = self.sampler.sample(batch.sampled_logits(logits), batch.sampled, batch.sampling, batch.offsets)
+        for i, item in enumerate(scheduled):
             seq = item.seq
-            if seq.needs_prompt_logprobs():  # rare: reads logits on the host right away
+            if seq.needs_prompt_logprobs():  # rare: reads logits on the host right away (idempotent on retry)
+                row0, nrows = int(batch.logits_start[i]), int(batch.num_logits[i])
                 prompt_logprobs_for_chunk(seq, logits[row0:row0 + nrows], seq.num_computed_tokens,
                                           seq.params.prompt_logprobs, self.detokenizer)
+        return self._commit(scheduled, draws)
+
+    def _commit(self, scheduled: list[ScheduledSeq], draws) -> InFlight:
+        sampled = []
+        for item in scheduled:
+            seq = item.seq
             seq.num_computed_tokens += item.num_tokens
             # Registered now, not when read back: the next step may already reuse these blocks, and the
             # device runs steps in order. Tokens still in flight are never hashed.
             self.scheduler.register_computed(seq, seq.num_tokens - (seq.token_ids[-1] == PENDING))
             self.scheduler.snapshot(seq)  # stream-ordered after this forward (see cache/state_snapshots.py)
-        slots = [(seq, seq.num_tokens) for seq in sampled]  # where each sampled token will land
-        for seq in sampled:
-            seq.token_ids.append(PENDING)
-        # Rows whose next sampling reads their history need their token on the host before that.
-        sync = not self.async_scheduling or any(needs_history(s) for s in sampled)
-        return InFlight(sched.scheduled, slots, draws, sync, draws.start_copy() if draws
-                        else None)
+            if item.num_sampled:
+                # Its rows' first token lands here; the rows after it verify drafts, so how many more tokens
+                # it gets is known only when read back.
+                sampled.append((seq, seq.num_tokens, item.num_sampled))
+                seq.token_ids.append(PENDING)
+        # A verify step must be read back before the sequence's next positions are known. (Penalties need no
+        # sync: the next step's sampler reads a history token still in flight from these draws.)
+        sync = not self.async_scheduling or any(n > 1 for _, _, n in sampled)
+        return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None)
 
     def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup]) -> None:
         for item in flight.scheduled:
@@ -246,35 +289,51 @@ class LLMEngine:
             if not seq.finished:
                 touched[seq.request_id] = self.groups[seq.request_id]
         for item in flight.scheduled:
-            if not item.sample and not item.seq.finished:  # a prompt chunk: its tokens are all known
+            if not item.num_sampled and not item.seq.finished:  # a prompt chunk: its tokens are all known
                 self.scheduler.register_computed(item.seq, item.seq.num_tokens)
         if flight.draws is None:
             return
         result = flight.draws.finish_copy(flight.copy)
         now = time.monotonic()
-        for row, (seq, idx) in enumerate(flight.sampled):
+        row = 0
+        for seq, idx, n in flight.sampled:
+            row0, row = row, row + n
             if seq.finished:  # aborted, or stopped on an earlier token while this one was in flight
                 continue
-            token = result.token_ids[row]
-            seq.token_ids[idx] = token
-            if seq.first_token_time is None:
-                seq.first_token_time = now
+            tokens = result.token_ids[row0:row]
+            if n > 1:  # greedy acceptance: a draft stands while the model's token at its position equals it
+                drafts, seq.draft_token_ids = seq.draft_token_ids[:n - 1], []
+                accepted = 0
+                while accepted < n - 1 and tokens[accepted] == drafts[accepted]:
+                    accepted += 1
+                tokens = tokens[:accepted + 1]
+                seq.num_computed_tokens -= n - 1 - accepted  # the rejected drafts' KV is overwritten later
+                seq.token_ids[idx + 1:idx + 1] = [PENDING] * accepted
+            self._accept(seq, idx, tokens, result, row0, now)
+
+    def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:
+        """Puts a sequence's new tokens at token_ids[idx:], one at a time with stop checks and text."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        skip = seq.params.skip_special_tokens
+        for j, token in enumerate(tokens):
+            pos = idx + j
+            seq.token_ids[pos] = token
             if seq.logprobs is not None:
-                seq.logprobs.append(sample_logprobs(result, row, token, self.detokenizer))
-                seq.cumulative_logprob += result.chosen_logprobs[row]
-            check_token_stop(seq, token, idx + 1 - seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
-            skip = seq.params.skip_special_tokens
+                seq.logprobs.append(sample_logprobs(result, row0 + j, token, self.detokenizer))
+                seq.cumulative_logprob += result.chosen_logprobs[row0 + j]
+            check_token_stop(seq, token, pos + 1 - seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
             new = ""
             if self.stream_outputs or seq.params.stop:  # else the text is decoded once, at the end
-                new = self.detokenizer.step(seq.detok, seq.token_ids, skip, idx + 1)
+                new = self.detokenizer.step(seq.detok, seq.token_ids, skip, pos + 1)
             if seq.finish_reason is not None:
-                del seq.token_ids[idx + 1:]  # drop a token sampled after the stop
+                del seq.token_ids[pos + 1:]  # drop tokens sampled after the stop
                 new += self.detokenizer.flush(seq.detok, seq.token_ids, skip)
             apply_stop_strings(seq, len(new))
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            else:
-                self.scheduler.register_computed(seq, idx + 1)
+                return
+        self.scheduler.register_computed(seq, idx + len(tokens))
 
     def _output(self, group: RequestGroup) -> RequestOutput:
         outs = []

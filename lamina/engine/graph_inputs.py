@@ -21,9 +21,10 @@ import torch
 from lamina.engine.graph_keys import GraphKey
 from lamina.kernels.attention import AttentionMetadata
 from lamina.kernels.attention_launch import AttentionLaunch
+from lamina.kernels.metadata import StateMetadata, StepContext
 
 
-@dataclass
+@dataclass(frozen=True)
 class GraphMetadata(AttentionMetadata):
     """AttentionMetadata whose kernel choice is fixed by the graph key (see attention_launch.py)."""
 
@@ -61,17 +62,17 @@ class GraphInputs:
         return self.block_tables.shape[1]
 
     def fits(self, batch, key: GraphKey) -> bool:
-        meta = batch.attn
+        meta = batch.ctx.attn
         return (key.tokens <= self.max_tokens and key.seqs <= self.max_seqs
                 and meta.block_tables.shape[1] <= self.max_blocks
-                and (meta.state_slots is None) == (self.state_slots is None)
+                and (batch.ctx.state is None) == (self.state_slots is None)
                 and (key.decode or self.state_slots is None))
 
     def load(self, batch, key: GraphKey) -> None:
         """Copies a step's batch (a runner ForwardBatch) into the buffers and writes key's padding.
 
         Device-to-device copies and fills only: no host sync, and the batch may still be in flight."""
-        meta = batch.attn
+        meta, state = batch.ctx.attn, batch.ctx.state
         t, b, tp, bp = batch.input_ids.shape[0], meta.num_seqs, key.tokens, key.seqs
         assert t <= tp and b <= bp - (not key.decode), (t, b, key)
         nb = {"non_blocking": True}
@@ -88,9 +89,9 @@ class GraphInputs:
             self.mixed_query_start[b + 1: bp + 1].fill_(tp)
             self.num_seqs.fill_(b + 1)
         if self.state_slots is not None:
-            self.state_slots[:b].copy_(meta.state_slots, **nb)
+            self.state_slots[:b].copy_(state.slots, **nb)
             self.state_slots[b:bp].fill_(self.padding_slot)
-            self.has_initial_state[:b].copy_(meta.has_initial_state, **nb)
+            self.has_initial_state[:b].copy_(state.has_initial_state, **nb)
             self.has_initial_state[b:bp].fill_(True)
 
     def reset(self, key: GraphKey) -> None:
@@ -105,8 +106,8 @@ class GraphInputs:
         if self.state_slots is not None:
             self.state_slots[:bp].fill_(self.padding_slot)
 
-    def metadata(self, key: GraphKey, max_model_len: int, exact_host: bool = False) -> GraphMetadata:
-        """The metadata a graph of `key` is captured with. Its host fields describe the key, not a step:
+    def context(self, key: GraphKey, max_model_len: int, exact_host: bool = False) -> StepContext:
+        """The step context (attention + state metadata) a graph of `key` is captured with. Its host fields describe the key, not a step:
         kernels take their choice from `launch` and their grids from shapes. exact_host=True reads the
         buffers back instead (a host sync), for running the body through the torch reference on a CPU."""
         tp, bp = key.tokens, key.seqs
@@ -122,7 +123,9 @@ class GraphInputs:
         launch = AttentionLaunch(True, False) if key.decode else AttentionLaunch(True, True, self.num_seqs)
         meta = GraphMetadata(self.slot_mapping[:tp], qs, self.seq_lens[:bp], self.block_tables[:bp], qs_cpu,
                              lens_cpu, max_q, max_seq, launch=launch)
+        state = None
         if self.state_slots is not None:
-            meta.state_slots, meta.has_initial_state = self.state_slots[:bp], self.has_initial_state[:bp]
-            meta.state_slots_cpu = self.state_slots[:bp].tolist() if exact_host else [self.padding_slot] * bp
-        return meta
+            slots, init = self.state_slots[:bp], self.has_initial_state[:bp]
+            state = StateMetadata(slots, init, slots.tolist() if exact_host else [self.padding_slot] * bp,
+                                  init.tolist() if exact_host else [True] * bp)
+        return StepContext(meta, state)

@@ -5,18 +5,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from lamina.engine.request import Sequence
+from lamina.engine.runner import PENDING, PendingTokens
 from lamina.engine.sampler import SampleTensors
 from lamina.engine.scheduler import ScheduledSeq
 
-# Stands in token_ids for a sampled token not yet read back; never fed to the model (the runner copies the
-# real token on the device) and never hashed (the prefix cache only registers known tokens).
-PENDING = -1
+__all__ = ["PENDING", "InFlight"]
 
 
 @dataclass
 class InFlight:
     scheduled: list[ScheduledSeq]
-    sampled: list[tuple[Sequence, int]]  # (sequence, index of its PENDING slot in token_ids)
+    # Per sampled sequence, in row order: (sequence, index in token_ids of its first sampled token, number of
+    # sampled rows). The first token is a PENDING placeholder; rows past it verify the sequence's drafts.
+    sampled: list[tuple[Sequence, int, int]]
     draws: SampleTensors | None
     sync: bool  # must be read back before the next step is built
     copy: Any = None  # the started device-to-host copy of draws
+
+    def pending(self) -> PendingTokens | None:
+        """Where the next step finds the tokens this one samples (they are still on the device)."""
+        if self.draws is None:
+            return None
+        first, row = {}, 0
+        for seq, idx, n in self.sampled:
+            first[seq.seq_id] = (idx, row)
+            row += n
+        return PendingTokens(first, self.draws.token_ids)

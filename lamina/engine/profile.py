@@ -7,6 +7,7 @@ from lamina.cache.kv_cache import KVCache
 from lamina.cache.state_layout import StateLayout
 from lamina.engine.sampler import exponential_noise
 from lamina.kernels.attention import AttentionMetadata
+from lamina.kernels.metadata import StepContext
 
 
 @torch.inference_mode()
@@ -33,7 +34,7 @@ def profile_peak_bytes(model: torch.nn.Module, layout: StateLayout, max_tokens: 
         query_start_cpu=[0, t], seq_lens_cpu=[t], max_query_len=t, max_seq_len=t)
     ids = torch.randint(0, model.config.vocab_size, (t,), device=device)
     rows = torch.arange(t - min(max_rows, t), t, device=device)
-    logits = model(ids, torch.arange(t, device=device), meta, rows)
+    logits = model(ids, torch.arange(t, device=device), StepContext(meta), rows)
     # The sampler's biggest temporaries: probabilities and the [rows, vocab] noise.
     probs = logits.softmax(dim=-1) / exponential_noise(torch.zeros(logits.shape[0], dtype=torch.int64,
                                                                    device=device), logits.shape[1])

@@ -36,6 +36,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Tokens a proposer guesses follow token_ids, verified by the next step (not part of token_ids until accepted).
+    draft_token_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # state-pool slot (hybrid models), leased while admitted
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain hashes of full blocks
     num_registered_blocks: int = 0  # blocks of block_table already offered to the prefix cache

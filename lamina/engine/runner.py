@@ -1,99 +1,202 @@
-"""Builds one step's flat batch (tokens, positions, KV slots, block tables, rows to compute logits for) and
-runs the model over it."""
+"""Builds one step's flat batch (tokens, positions, KV slots, block tables, rows to compute logits for and to
+sample) and runs the model over it.
+
+One pass over the scheduled sequences reads their scalars and token slices; everything per token (positions,
+slot mapping, logits rows) is numpy arithmetic over those per-sequence arrays. The step's arrays, sampling
+parameters included, reach the device in one copy (StepStaging); block tables are persistent rows
+(BlockTables) of which only the changed entries travel.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from lamina.engine.block_tables import BlockTables
+from lamina.engine.request import Sequence
+from lamina.engine.sampling_metadata import (
+    SamplingArrays,
+    SamplingMetadata,
+    array_list,
+    metadata_from,
+)
 from lamina.engine.scheduler import ScheduledSeq
-from lamina.kernels.attention import AttentionMetadata
+from lamina.engine.staging import StepStaging
+from lamina.kernels.attention import AttentionMetadata, plan_attention
+from lamina.kernels.dispatch import triton_available
+from lamina.kernels.metadata import StateMetadata, StepContext
+
+# Stands in token_ids for a sampled token not yet read back; never fed to the model (the runner copies the
+# real token on the device) and never hashed (the prefix cache only registers known tokens).
+PENDING = -1
+
+
+@dataclass
+class PendingTokens:
+    """Tokens of the step in flight, still on the device: sequence id -> (index in token_ids of its first
+    sampled token, its first row in `tokens`); its sampled tokens are consecutive in both."""
+
+    first: dict[int, tuple[int, int]]
+    tokens: torch.Tensor
 
 
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn: AttentionMetadata
+    ctx: StepContext
     logits_indices: torch.Tensor
-    # Per scheduled sequence: (first logits row, number of rows); its sampled row, if any, is the last one.
-    logits_rows: list[tuple[int, int]]
-    sample_rows: list[int]  # logits rows to sample from, in scheduled order of sampled sequences
+    # Per scheduled sequence: its first logits row and number of logits rows (the whole chunk for prompt
+    # logprobs, else its sampled rows; the sampled rows are always its last ones).
+    logits_start: np.ndarray
+    num_logits: np.ndarray
+    sample_rows: torch.Tensor | None  # logits rows sampled, in scheduled order; None: every logits row
+    sampled: list[Sequence]  # the sequence of each sampled row
+    offsets: list[int]  # each sampled row's place among its sequence's sampled rows
+    sampling: SamplingMetadata | None = None  # shipped with the batch when the runner was given a sampler
+
+    @property
+    def attn(self) -> AttentionMetadata:
+        return self.ctx.attn
+
+    def sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.sample_rows is None else logits.index_select(0, self.sample_rows)
+
+
+def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """concat(arange(s, s + c) for s, c in zip(starts, counts)) without a Python loop."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(starts - offsets, counts) + np.arange(total)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device) -> None:
         self.model, self.block_size, self.device = model, block_size, device
         self.graphs = None  # a CudaGraphRunner once decode graphs are captured
+        self.staging = StepStaging(device)
+        self.tables = BlockTables(device)
+        # The torch reference attention gets its per-step plan built once here, for the model's windows.
+        self._ref_windows = None
+        if not (device.type == "cuda" and triton_available()):
+            specs = getattr(getattr(model, "config", None), "layers", None) or []
+            self._ref_windows = tuple(dict.fromkeys(s.sliding_window for s in specs
+                                                    if s.mixer in ("attention", "gated_attention"))) or (None,)
+        lm_head = getattr(model, "lm_head", None)
+        self.vocab = lm_head.weight.shape[0] if lm_head is not None else None
 
-    def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
-    def prepare(self, scheduled: list[ScheduledSeq], pending_rows: dict[int, int] | None = None,
-                pending_tokens: torch.Tensor | None = None) -> ForwardBatch:
-        """pending_rows maps a sequence whose last token is still on the device (sampled by the step in
-        flight) to its row in pending_tokens; that token is copied into the batch on the device."""
+    @torch.inference_mode()  # its persistent buffers are updated in place, whoever first created them
+    def prepare(self, scheduled: list[ScheduledSeq], pending: PendingTokens | None = None,
+                sampler=None) -> ForwardBatch:
+        """The step's batch. pending: tokens of the step in flight (PENDING in token_ids), copied into the
+        batch on the device. sampler: a Sampler whose per-row arrays ship with the batch (else sample()
+        builds its own)."""
+        b = len(scheduled)
+        start = np.empty(b, np.int64)
+        ntok = np.empty(b, np.int64)
+        nsamp = np.empty(b, np.int64)
+        whole = np.zeros(b, bool)  # prompt logprobs: logits for the whole chunk
         ids: list[int] = []
-        dst: list[int] = []
-        src: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start, seq_lens = [0], []
-        logits_idx: list[int] = []
-        logits_rows: list[tuple[int, int]] = []
-        sample_rows: list[int] = []
-        bs = self.block_size
-        for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
-            row0 = len(ids)
-            ids += seq.token_ids[start:end]
-            if pending_rows and seq.seq_id in pending_rows and end == seq.num_tokens:
-                dst.append(len(ids) - 1)
-                src.append(pending_rows[seq.seq_id])
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start.append(len(ids))
-            seq_lens.append(end)
-            # Rows whose logits are needed: the whole chunk for prompt logprobs, else just the last.
-            first = row0 if seq.needs_prompt_logprobs() else (end - 1 - start + row0 if item.sample else None)
-            if first is None:
-                logits_rows.append((len(logits_idx), 0))
+        seqs = []
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            s, n = seq.num_computed_tokens, item.num_tokens
+            start[i], ntok[i], nsamp[i] = s, n, item.num_sampled
+            seqs.append(seq)
+            if n == 1:
+                ids.append(seq.token_ids[s])
             else:
-                logits_rows.append((len(logits_idx), len(ids) - first))
-                logits_idx += range(first, len(ids))
-                if item.sample:
-                    sample_rows.append(len(logits_idx) - 1)
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.long),
-            query_start=self._to_device(query_start, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device([x for row in tables for x in row], torch.int32).view(len(tables), max_blocks),
-            query_start_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(s.num_tokens for s in scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        if scheduled[0].seq.state_slot is not None:  # hybrid model: every admitted sequence holds a slot
-            meta.state_slots_cpu = [s.seq.state_slot for s in scheduled]
-            meta.state_slots = self._to_device(meta.state_slots_cpu, torch.long)
-            meta.has_initial_state = self._to_device([s.seq.num_computed_tokens > 0 for s in scheduled], torch.bool)
-        input_ids = self._to_device(ids, torch.long)
-        if dst:
-            input_ids.index_copy_(0, self._to_device(dst, torch.long),
-                                  pending_tokens.index_select(0, self._to_device(src, torch.long)))
-        return ForwardBatch(input_ids, self._to_device(positions, torch.long), meta,
-                            self._to_device(logits_idx, torch.long), logits_rows, sample_rows)
+                known = seq.num_tokens
+                ids += seq.token_ids[s:s + n]
+                if s + n > known:  # draft tokens being verified
+                    ids += seq.draft_token_ids[:s + n - known]
+            if seq.wants_prompt_logprobs and seq.needs_prompt_logprobs():
+                whole[i] = True
+        qe = np.cumsum(ntok)
+        qs = np.concatenate([[0], qe])
+        t = int(qe[-1])
+        tok_seq = np.repeat(np.arange(b), ntok)
+        positions = np.repeat(start - qs[:-1], ntok) + np.arange(t)
+        seq_lens = start + ntok
+        rows, upd_flat, upd_vals = self.tables.update(seqs)
+        bs = self.block_size
+        slots = self.tables.host[rows[tok_seq], positions // bs].astype(np.int64) * bs + positions % bs
+        nlog = np.where(whole, ntok, nsamp)
+        logits_idx = _ragged_arange(qe - nlog, nlog)
+        lstart = np.cumsum(nlog) - nlog
+        input_ids = np.asarray(ids, np.int64)
+        dst = np.flatnonzero(input_ids == PENDING)
+        src = self._pending_sources(dst, tok_seq, positions, seqs, pending)
+        sample_rows = None if not whole.any() else _ragged_arange(lstart + nlog - nsamp, nsamp)
+        sampled = [seq for seq, k in zip(seqs, nsamp.tolist()) for _ in range(k)]
+        offsets = [j for k in nsamp.tolist() for j in range(k)]
+
+        st = self.staging
+        parts = [input_ids, positions, slots, logits_idx, qs.astype(np.int32), seq_lens.astype(np.int32), rows,
+                 upd_flat, upd_vals, dst, src]
+        hybrid = seqs[0].state_slot is not None  # hybrid model: every admitted sequence holds a slot
+        if hybrid:
+            state_slots = np.fromiter((s.state_slot for s in seqs), np.int64, b)
+            parts += [state_slots, start > 0]
+        if sample_rows is not None:
+            parts.append(sample_rows)
+        arrays: SamplingArrays | None = None
+        if sampler is not None and sampled and self.vocab is not None:
+            arrays = sampler.arrays(sampled, offsets, self.vocab, pending.first if pending is not None else None)
+            n_fixed = len(parts)
+            parts += array_list(arrays)
+        for p in parts:
+            st.add(p)
+        dev = st.ship()
+        d_ids, d_pos, d_slots, d_logits, d_qs, d_lens, d_rows, d_flat, d_vals, d_dst, d_src = dev[:11]
+        if dst.size:
+            d_ids.index_copy_(0, d_dst, pending.tokens.index_select(0, d_src))
+        self.tables.apply(d_flat, d_vals)
+        width = max(len(s.block_table) for s in seqs)
+        attn = AttentionMetadata(d_slots, d_qs, d_lens, self.tables.gather(d_rows, width), qs.tolist(),
+                                 seq_lens.tolist(), int(ntok.max()), int(seq_lens.max()))
+        if self._ref_windows is not None:
+            attn = dataclasses.replace(attn, ref_plan=plan_attention(attn, bs, self._ref_windows))
+        k = 11
+        state = None
+        if hybrid:
+            state = StateMetadata(dev[k], dev[k + 1], state_slots.tolist(), (start > 0).tolist())
+            k += 2
+        d_sample_rows = None
+        if sample_rows is not None:
+            d_sample_rows = dev[k]
+        sampling = None
+        if arrays is not None:
+            sampling = metadata_from(arrays, dev[n_fixed:], sampled)
+            if arrays.late_row.size:
+                sampling.late_tokens = pending.tokens
+        return ForwardBatch(d_ids, d_pos, StepContext(attn, state), d_logits, lstart, nlog, d_sample_rows,
+                            sampled, offsets, sampling)
+
+    @staticmethod
+    def _pending_sources(dst: np.ndarray, tok_seq: np.ndarray, positions: np.ndarray, seqs: list[Sequence],
+                         pending: PendingTokens | None) -> np.ndarray:
+        """For each PENDING input row, its row in pending.tokens (token index - first index + first row)."""
+        if not dst.size:
+            return np.zeros(0, np.int64)
+        if pending is None:
+            raise RuntimeError("a scheduled token is still in flight, but no pending tokens were given")
+        owner = tok_seq[dst]
+        base = np.empty(len(seqs), np.int64)
+        for i in np.unique(owner).tolist():
+            first = pending.first.get(seqs[i].seq_id)
+            if first is None:
+                raise RuntimeError(f"sequence {seqs[i].seq_id} has a token in flight that no launched step samples")
+            base[i] = first[1] - first[0]
+        return base[owner] + positions[dst]
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] in fp32."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        return self.model(batch.input_ids, batch.positions, batch.attn, batch.logits_indices)
+        return self.model(batch.input_ids, batch.positions, batch.ctx, batch.logits_indices)

@@ -24,19 +24,29 @@ MAX_PASSED_OVER = 32
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of a step: num_tokens query tokens from position seq.num_computed_tokens on
+    (its known tokens, then any draft tokens being verified), of which the last num_sampled rows are sampled.
+
+    num_sampled is 0 for a prompt chunk that does not reach the end, 1 for decode or a final prompt chunk, and
+    1 + len(drafts) when the step verifies draft tokens (row j scores the token after position start + j)."""
+
     seq: Sequence
-    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
-    sample: bool  # whether this chunk reaches the end, so a token is sampled
+    num_tokens: int
+    num_sampled: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_sampled = int(self.num_sampled)  # callers may pass "reaches the end" as a bool
+        if not 0 <= self.num_sampled <= self.num_tokens:
+            raise ValueError(f"num_sampled {self.num_sampled} outside [0, num_tokens {self.num_tokens}]")
+
+    @property
+    def num_drafts(self) -> int:
+        return max(0, self.num_sampled - 1)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
-    preempted: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -53,9 +63,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         total = (seq.num_computed_tokens + n + self.block_size - 1) // self.block_size
@@ -89,7 +96,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -97,19 +104,36 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(seq, budget)
-            while not self._grow(seq, n):
+            drafts = self._drafts(seq, n, budget)
+            while not self._grow(seq, n + drafts):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted = True
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
-                budget -= n
+                reaches_end = seq.num_computed_tokens + n == seq.num_tokens
+                scheduled.append(ScheduledSeq(seq, n + drafts, drafts + 1 if reaches_end else 0))
+                budget -= n + drafts
                 i += 1
         if not preempted:  # new sequences only when nothing was preempted (avoids thrashing the pool)
             self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled)
+
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """Draft tokens to verify after the sequence's last known token this step: those a proposer left in
+        seq.draft_token_ids, capped so the step's output (drafts + 1) stays within max_tokens and the budget.
+        Drafts not scheduled are dropped (they were proposed for this step only)."""
+        if not seq.draft_token_ids:
+            return 0
+        # Not for sequences with recurrent state (it cannot be rolled back past rejected drafts yet), nor
+        # for one whose chunk does not reach its last known token.
+        if self.state_slots is not None or seq.num_computed_tokens + n != seq.num_tokens:
+            seq.draft_token_ids = []
+            return 0
+        k = min(len(seq.draft_token_ids), seq.max_tokens - seq.num_output_tokens - 1, budget - n)
+        del seq.draft_token_ids[max(k, 0):]
+        return max(k, 0)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
         """Admits waiting sequences (the first WAIT_LOOKAHEAD of them) in fair-share order: preempted ones

@@ -15,8 +15,11 @@ import torch.nn.functional as F
 from lamina.kernels.dispatch import use_triton
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
+    """Where one step's tokens sit in the KV pool and what each attends to; built once per step, never
+    changed after (per-sequence recurrent-state addressing is StateMetadata's, lamina/kernels/metadata.py)."""
+
     slot_mapping: torch.Tensor  # [T] int64: flat slot (block * block_size + offset) of each new token
     query_start: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
@@ -25,13 +28,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    # State-pool addressing for mixers with per-sequence state (gated delta net); None for models without.
-    # A sequence whose chunk starts at position 0 (has_initial_state False) starts from a zero state.
-    state_slots: torch.Tensor | None = None  # [B] int64
-    state_slots_cpu: list[int] | None = None
-    has_initial_state: torch.Tensor | None = None  # [B] bool: num_computed_tokens > 0
-    # Host-side plans the reference derives once per step and reuses in every layer.
-    ref_plans: dict = field(default_factory=dict, repr=False)
+    # The torch reference's grouping and masks, derived once per step by whoever builds the metadata for the
+    # reference path (the runner on the CPU); None: paged_attention_ref derives them per call.
+    ref_plan: AttentionPlan | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -72,22 +71,45 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out.transpose(1, 2).to(q.dtype)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Group:
     """Sequences attended together: all decode rows at once, or one prefill chunk."""
 
     q_rows: torch.Tensor  # [B*L] rows of q, sequence-major
     blocks: torch.Tensor  # [B, n] int64 block ids covering the longest context
-    mask: torch.Tensor  # [B, L, n*block_size] True = attend
+    q_pos: torch.Tensor  # [B, L] position of each query row
     batch: int
     qlen: int
+    block_size: int
+    masks: tuple[tuple[int | None, torch.Tensor], ...]  # (sliding window, [B, L, n*block_size] True = attend)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        for window, m in self.masks:
+            if window == sliding_window:
+                return m
+        return _mask(self.q_pos, self.blocks.shape[1] * self.block_size, sliding_window)
 
 
-def _plan(meta: AttentionMetadata, bs: int, sliding_window: int | None, device: torch.device) -> list[_Group]:
-    key = (bs, sliding_window)
-    if key in meta.ref_plans:
-        return meta.ref_plans[key]
+def _mask(q_pos: torch.Tensor, n_keys: int, sliding_window: int | None) -> torch.Tensor:
+    key_pos = torch.arange(n_keys, device=q_pos.device)
+    mask = key_pos[None, None] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, None] > q_pos[:, :, None] - sliding_window
+    return mask
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The reference's per-step work split (one batched gather for decode rows, one per prefill chunk) and
+    the masks of the sliding windows it was built for; immutable, shared by every layer of the step."""
+
+    block_size: int
+    groups: tuple[_Group, ...]
+
+
+def plan_attention(meta: AttentionMetadata, bs: int, windows: tuple[int | None, ...] = (None,)) -> AttentionPlan:
     qs, lens = meta.query_start_cpu, meta.seq_lens_cpu
+    device = meta.block_tables.device
     # seq_len 0 marks a padding sequence (CUDA-graph batches): no keys, zeros out.
     decode = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1 and lens[i] > 0]
     groups = [decode] if decode else []
@@ -99,15 +121,14 @@ def _plan(meta: AttentionMetadata, bs: int, sliding_window: int | None, device: 
         idx = torch.tensor(rows, device=device)
         blocks = meta.block_tables.index_select(0, idx)[:, :n_blocks].long()
         seq_len = torch.tensor([lens[i] for i in rows], device=device)
-        key_pos = torch.arange(n_blocks * bs, device=device)
         q_pos = seq_len[:, None] - qlen + torch.arange(qlen, device=device)[None]  # [B, L]
-        mask = key_pos[None, None] <= q_pos[:, :, None]
-        if sliding_window is not None:
-            mask &= key_pos[None, None] > q_pos[:, :, None] - sliding_window
-        q_rows = torch.tensor([r for i in rows for r in range(qs[i], qs[i + 1])], device=device)
-        plans.append(_Group(q_rows, blocks, mask, len(rows), qlen))
-    meta.ref_plans[key] = plans
-    return plans
+        masks = tuple((w, _mask(q_pos, n_blocks * bs, w)) for w in dict.fromkeys(windows))
+        if len(rows) == 1:
+            q_rows = torch.arange(qs[rows[0]], qs[rows[0] + 1], device=device)
+        else:
+            q_rows = torch.tensor([r for i in rows for r in range(qs[i], qs[i + 1])], device=device)
+        plans.append(_Group(q_rows, blocks, q_pos, len(rows), qlen, bs, masks))
+    return AttentionPlan(bs, tuple(plans))
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -115,11 +136,15 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """q: [T, Hq, D] -> [T, Hq, Dv], reading all K/V (this step's included) from the pool."""
     alloc = torch.zeros if 0 in meta.seq_lens_cpu else torch.empty
     out = alloc(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    for g in _plan(meta, k_cache.shape[1], sliding_window, q.device):
+    bs = k_cache.shape[1]
+    plan = meta.ref_plan
+    if plan is None or plan.block_size != bs:
+        plan = plan_attention(meta, bs, (sliding_window,))
+    for g in plan.groups:
         # Decode rows share one batched gather; each prefill runs alone (its query length differs).
         k, v = k_cache[g.blocks].flatten(1, 2), v_cache[g.blocks].flatten(1, 2)
         q_rows = q.index_select(0, g.q_rows).view(g.batch, g.qlen, *q.shape[1:])
-        res = _attend(q_rows, k, v, g.mask, scale)
+        res = _attend(q_rows, k, v, g.mask(sliding_window), scale)
         out.index_copy_(0, g.q_rows, res.reshape(-1, *res.shape[2:]))
     return out
 

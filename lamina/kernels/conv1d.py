@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.attention import AttentionMetadata
 from lamina.kernels.dispatch import use_triton
+from lamina.kernels.metadata import StateMetadata
 from lamina.kernels.slot_states import read_states, write_states
 
 
@@ -68,17 +70,20 @@ def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         conv_states: torch.Tensor | None, meta, activation: str | None = "silu") -> torch.Tensor:
-    """The layer's conv over one step's flat batch (meta: the step's AttentionMetadata). The GPU kernel reads
-    only meta's device tensors (graph-safe); the reference its host lists. No slots in meta: zero state."""
-    if meta.state_slots is None:
+                         conv_states: torch.Tensor | None, attn: AttentionMetadata, state: StateMetadata | None,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """The layer's conv over one step's flat batch (attn: its row layout; state: its slots). The GPU kernel
+    reads only device tensors (graph-safe); the reference the host lists. state None: zero state."""
+    if state is None:
         conv_states = None
     if use_triton(x):
         from lamina.kernels.triton_conv1d import causal_conv1d_varlen_triton
 
-        return causal_conv1d_varlen_triton(x, weight, bias, conv_states, meta.query_start, meta.state_slots,
-                                           meta.has_initial_state, meta.max_query_len, activation)
-    from lamina.kernels.gated_delta import host_has_initial_state
-
-    return causal_conv1d_varlen_ref(x, weight, bias, conv_states, meta.query_start_cpu, meta.state_slots_cpu,
-                                    host_has_initial_state(meta), activation)
+        return causal_conv1d_varlen_triton(x, weight, bias, conv_states, attn.query_start,
+                                           state.slots if state is not None else None,
+                                           state.has_initial_state if state is not None else None,
+                                           attn.max_query_len, activation)
+    return causal_conv1d_varlen_ref(x, weight, bias, conv_states, attn.query_start_cpu,
+                                    state.slots_cpu if state is not None else None,
+                                    state.has_initial_state_cpu if state is not None else [False] * attn.num_seqs,
+                                    activation)

@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.attention import AttentionMetadata
 from lamina.kernels.dispatch import use_triton
 from lamina.kernels.gdn_gates import gdn_gates
+from lamina.kernels.metadata import StateMetadata
 from lamina.kernels.slot_states import read_states, write_states
 
 CHUNK_SIZE = 64
@@ -131,26 +133,24 @@ def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out
 
 
-def host_has_initial_state(meta) -> list[bool]:
-    """num_computed_tokens = context length - this step's tokens: > 0 means the slot holds live state."""
-    qs = meta.query_start_cpu
-    return [meta.seq_lens_cpu[i] - (qs[i + 1] - qs[i]) > 0 for i in range(meta.num_seqs)]
-
-
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                            A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor | None, meta,
+                            A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor | None,
+                            attn: AttentionMetadata, state: StateMetadata | None,
                             use_qk_l2norm: bool = True) -> torch.Tensor:
-    """The layer's gated delta rule over one step's flat batch (meta: the step's AttentionMetadata).
+    """The layer's gated delta rule over one step's flat batch (attn: its row layout; state: its slots).
 
-    The GPU path reads only device tensors of meta (state_slots, has_initial_state, query_start), so a
-    decode step can be captured in a CUDA graph; the reference loops over meta's host lists. No slots in
-    meta (a profiling pass): zero state, nothing written."""
-    if meta.state_slots is None:
+    The GPU path reads only device tensors (state.slots, state.has_initial_state, attn.query_start), so a
+    decode step can be captured in a CUDA graph; the reference loops over the host lists. state None (a
+    profiling pass): zero state, nothing written."""
+    if state is None:
         ssm_states = None
     if use_triton(q):
         from lamina.kernels.triton_gated_delta import gated_delta_rule_varlen_triton
 
-        return gated_delta_rule_varlen_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, meta, use_qk_l2norm)
+        return gated_delta_rule_varlen_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, attn, state, use_qk_l2norm)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
-    return gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_states, meta.query_start_cpu, meta.state_slots_cpu,
-                                       host_has_initial_state(meta), use_qk_l2norm)
+    n = attn.num_seqs
+    return gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_states, attn.query_start_cpu,
+                                       state.slots_cpu if state is not None else None,
+                                       state.has_initial_state_cpu if state is not None else [False] * n,
+                                       use_qk_l2norm)

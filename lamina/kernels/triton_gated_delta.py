@@ -12,11 +12,15 @@ from lamina.kernels.triton_gdn_decode import gated_delta_decode_triton
 
 def gated_delta_rule_varlen_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                                   ssm_states: torch.Tensor | None, meta, use_qk_l2norm: bool = True) -> torch.Tensor:
-    slots = meta.state_slots if ssm_states is not None else None
-    if meta.max_query_len == 1:
-        return gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, slots, meta.has_initial_state,
-                                         use_qk_l2norm)
+                                   ssm_states: torch.Tensor | None, attn, state,
+                                   use_qk_l2norm: bool = True) -> torch.Tensor:
+    """attn: the step's AttentionMetadata; state: its StateMetadata (None: zero state, nothing written)."""
+    if state is None:
+        ssm_states = None
+    slots = state.slots if ssm_states is not None else None
+    has_init = state.has_initial_state if state is not None else None
+    if attn.max_query_len == 1:
+        return gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, slots, has_init, use_qk_l2norm)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
-    return chunk_gated_delta_varlen_triton(q, k, v, g, beta, ssm_states, meta.query_start, meta.query_start_cpu,
-                                           slots, meta.has_initial_state, use_qk_l2norm)
+    return chunk_gated_delta_varlen_triton(q, k, v, g, beta, ssm_states, attn.query_start, attn.query_start_cpu,
+                                           slots, has_init, use_qk_l2norm)

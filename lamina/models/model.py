@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lamina.cache.specs import Stateful
-from lamina.kernels.attention import AttentionMetadata
+from lamina.kernels.metadata import StepContext
 from lamina.models.config import ModelConfig
 from lamina.models.layers.decoder import DecoderLayer
 from lamina.models.layers.linear import Embedding, Linear
@@ -46,18 +46,18 @@ class CausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
+                      ctx: StepContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, meta)
+            x, residual = layer(x, residual, positions, ctx)
         x, _ = self.model.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids, positions, meta)
+        hidden = self.hidden_states(input_ids, positions, ctx)
         return self.compute_logits(hidden.index_select(0, logits_indices))

@@ -56,8 +56,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("lamina:generation_tokens", "Tokens generated.", labels, registry=r)
         self.request_success = Counter("lamina:request_success", "Requests finished, by finish reason.",
                                        labels + ["finished_reason"], registry=r)
-        self.step_failures = Counter("lamina:engine_step_failures", "Engine iterations that raised.", labels,
-                                     registry=r)
+        self.step_failures = Counter("lamina:engine_step_failures",
+                                     "Engine steps that raised (retried without the culprit, or the iteration "
+                                     "failed).", labels, registry=r)
+        self._step_failures_seen = 0  # EngineStats.num_step_failures is a running total
         self.http_errors = Counter("lamina:http_errors", "Error responses sent, by status code.",
                                    labels + ["status"], registry=r)
         self.ttft = Histogram("lamina:time_to_first_token_seconds", "Time to first token.", labels,
@@ -101,6 +103,9 @@ class ServerMetrics:
             self.generation_tokens.labels(m).inc(it.num_generation_tokens)
         if it.step_failed:
             self.step_failures.labels(m).inc()
+        if stats.num_step_failures > self._step_failures_seen:
+            self.step_failures.labels(m).inc(stats.num_step_failures - self._step_failures_seen)
+            self._step_failures_seen = stats.num_step_failures
         for v in it.time_to_first_tokens:
             self.ttft.labels(m).observe(v)
         for v in it.inter_token_latencies:

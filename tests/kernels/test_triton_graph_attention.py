@@ -19,6 +19,7 @@ from lamina.engine.graph_keys import (
     mixed_token_sizes,
 )
 from lamina.kernels.attention import paged_attention_ref, store_kv_ref
+from lamina.kernels.metadata import StepContext
 
 # (query_len, seq_len) per sequence, in scheduled order: decode rows anywhere, chunks with and without prefix.
 CASES = {
@@ -45,9 +46,9 @@ def _graph_step(specs, hq, hkv, d, dtype, max_num_seqs, extra_pad=0):
     inputs.block_tables.fill_(10**6)
     inputs.mixed_query_start.fill_(7)
     batch = SimpleNamespace(input_ids=torch.zeros(t, dtype=torch.long, device=DEV),
-                            positions=torch.zeros(t, dtype=torch.long, device=DEV), attn=meta)
+                            positions=torch.zeros(t, dtype=torch.long, device=DEV), ctx=StepContext(meta))
     inputs.load(batch, key)
-    gmeta = inputs.metadata(key, max_model_len=4096)
+    gmeta = inputs.context(key, max_model_len=4096).attn
     pad = key.tokens - t
     gen = torch.Generator().manual_seed(1)
     q_pad = torch.cat([q, torch.randn(pad, hq, d, generator=gen).to(dtype).to(DEV)])
@@ -102,6 +103,6 @@ def _exact(meta, key: GraphKey):
     inputs = GraphInputs(256, 9, meta.block_tables.shape[1], DEV)
     t = meta.query_start_cpu[-1]
     batch = SimpleNamespace(input_ids=torch.zeros(t, dtype=torch.long, device=DEV),
-                            positions=torch.zeros(t, dtype=torch.long, device=DEV), attn=meta)
+                            positions=torch.zeros(t, dtype=torch.long, device=DEV), ctx=StepContext(meta))
     inputs.load(batch, key)
-    return inputs.metadata(key, 4096, exact_host=True)
+    return inputs.context(key, 4096, exact_host=True).attn

@@ -7,6 +7,7 @@ from torch import nn
 from lamina.cache.specs import FullAttentionSpec, KVBlocks, SlidingWindowSpec
 from lamina.kernels.attention import AttentionMetadata, paged_attention
 from lamina.kernels.attention_prep import qk_norm_rope_store
+from lamina.kernels.metadata import StepContext
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import Linear
 from lamina.models.layers.norm import RMSNorm
@@ -68,7 +69,7 @@ class Attention(AttentionBase):
         self.qkv_proj = Linear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias)
         self.o_proj = Linear(q, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -76,6 +77,6 @@ class Attention(AttentionBase):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q = self._norm_rope_store(q, k, v, positions, meta)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        q = self._norm_rope_store(q, k, v, positions, ctx.attn)
+        out = paged_attention(q, self.k_cache, self.v_cache, ctx.attn, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, -1))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lamina.kernels.attention import AttentionMetadata
+from lamina.kernels.metadata import StepContext
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.attention import Attention
 from lamina.models.layers.gated_attention import GatedAttention
@@ -47,11 +47,11 @@ class DecoderLayer(nn.Module):
         self.mlp = build_ffn(cfg, spec)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, meta)
+        x = self.self_attn(x, positions, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn  # noqa: F401  (kept for the state-binding rework of this class)
 
-from lamina.kernels.attention import AttentionMetadata, paged_attention
+from lamina.kernels.attention import paged_attention
+from lamina.kernels.metadata import StepContext
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.attention import AttentionBase
 from lamina.models.layers.linear import Linear
@@ -26,13 +27,13 @@ class GatedAttention(AttentionBase):
         self.qkv_proj = Linear(cfg.hidden_size, {"q": 2 * q, "k": kv, "v": kv}, bias=cfg.attention_bias)
         self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.attention_bias)  # HF biases o_proj here too
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         qg, k, v = self.qkv_proj(x).split([2 * h * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, gate = qg.view(t, h, 2 * d).chunk(2, dim=-1)
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
-        q = self._norm_rope_store(q, k, v, positions, meta)  # q is a strided view: read in place
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        q = self._norm_rope_store(q, k, v, positions, ctx.attn)  # q is a strided view: read in place
+        out = paged_attention(q, self.k_cache, self.v_cache, ctx.attn, self.scale, self.sliding_window)
         out = out.reshape(t, h * d) * torch.sigmoid(gate.reshape(t, h * d))
         return self.o_proj(out)

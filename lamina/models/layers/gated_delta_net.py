@@ -3,8 +3,8 @@
 Its per-sequence state is declared by state_spec(): the conv window "conv" [C, K-1] in the model dtype (it
 holds raw inputs) and the recurrent state "ssm" [Hv, dk, dv] in fp32 whatever the model dtype (it integrates
 over the whole sequence; HF's and fla's kernels carry it in fp32 too). The engine allocates state-pool rows of
-both and binds them here (bind_state); each step addresses them through meta.state_slots. A sequence whose
-chunk starts at position 0 starts from zeros.
+both and binds them here (bind_state); each step addresses them through the step context's state metadata
+(ctx.state.slots). A sequence whose chunk starts at position 0 starts from zeros.
 
 Parameter names: one merged `in_proj` with shards qkv | z | b | a. Qwen3.5 checkpoints hold exactly those
 four (in_proj_qkv/_z/_b/_a); Qwen3-Next's in_proj_qkvz/in_proj_ba interleave them per key-head group and
@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from lamina.cache.specs import RecurrentStateSpec, SlotRows, StateTensor
-from lamina.kernels.attention import AttentionMetadata
 from lamina.kernels.conv1d import causal_conv1d_varlen
 from lamina.kernels.gated_delta import gated_delta_rule_varlen
+from lamina.kernels.metadata import StepContext
 from lamina.kernels.norm_gated import rms_norm_gated
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import Linear
@@ -77,17 +77,17 @@ class GatedDeltaNet(nn.Module):
     def ssm_state(self) -> torch.Tensor | None:  # [slots, Hv, dk, dv] fp32
         return self._state["ssm"] if self._state is not None else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
                                              dim=-1)
-        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_state, meta,
-                                   "silu")
+        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_state, ctx.attn,
+                                   ctx.state, "silu")
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
         # The decay and rate gates are computed inside the GPU kernels (fused) or by gdn_gates on the CPU.
-        core = gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, meta)
+        core = gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, ctx.attn, ctx.state)
         core = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(t, self.value_dim))

@@ -1,0 +1,97 @@
+"""Block tables of the running sequences, kept as one persistent row each on the host and on the device.
+
+A sequence keeps its row from its first step until its row is needed for another (rows of sequences no
+longer running are reclaimed lazily). Each step only the entries that changed travel: a sequence that is new
+to its row, or whose table was replaced (preemption, a prefix-cache match), sends its whole table; one that
+grew sends its new blocks. The host mirror is what slot mappings are computed from; the device table is
+what the step's [B, width] block tables are gathered from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lamina.engine.request import SeqStatus, Sequence
+
+
+@dataclass
+class _Row:
+    seq: Sequence
+    table: list[int]  # the list object last synced (a replaced table is a new list)
+    synced: int  # entries of it already in the row
+
+
+class BlockTables:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = np.zeros((0, 0), np.int32)
+        self.table = torch.zeros(0, 0, dtype=torch.int32, device=device)
+        self._rows: dict[int, int] = {}  # seq_id -> row
+        self._owner: list[_Row | None] = []
+        self._free: list[int] = []  # rows without an owner, lowest last
+
+    def _grow(self, rows: int, width: int) -> None:
+        r0, w0 = self.host.shape
+        rows, width = max(rows, r0), max(width, w0)
+        if (rows, width) == (r0, w0):
+            return
+        rows = max(rows, 2 * r0) if rows > r0 else rows
+        width = max(width, 2 * w0) if width > w0 else width
+        host = np.zeros((rows, width), np.int32)
+        host[:r0, :w0] = self.host
+        table = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
+        table[:r0, :w0] = self.table
+        self.host, self.table = host, table
+        self._owner += [None] * (rows - r0)
+        self._free = list(range(rows - 1, r0 - 1, -1)) + self._free
+
+    def _free_row(self) -> int:
+        if not self._free:  # reclaim the rows of sequences that stopped running
+            for r, owner in enumerate(self._owner):
+                if owner is not None and owner.seq.status != SeqStatus.RUNNING:
+                    del self._rows[owner.seq.seq_id]
+                    self._owner[r] = None
+                    self._free.append(r)
+            self._free.reverse()
+        if not self._free:
+            self._grow(len(self._owner) + 1, 0)
+        return self._free.pop()
+
+    def update(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows of `seqs` (this step's sequences, in order), after updating the host mirror; and the changed
+        entries as (flat index into the device table, block id) for apply()."""
+        width = max(len(s.block_table) for s in seqs)
+        self._grow(len(seqs), width)
+        rows = np.empty(len(seqs), np.int64)
+        flat: list[int] = []
+        vals: list[int] = []
+        for i, seq in enumerate(seqs):
+            r = self._rows.get(seq.seq_id)
+            if r is None or self._owner[r].seq is not seq:
+                r = self._free_row()
+                self._rows[seq.seq_id] = r
+                self._owner[r] = _Row(seq, seq.block_table, 0)
+            rec = self._owner[r]
+            table = seq.block_table
+            if rec.table is not table:
+                rec.table, rec.synced = table, 0
+            if rec.synced < len(table):
+                new = table[rec.synced:]
+                self.host[r, rec.synced:len(table)] = new
+                w = self.host.shape[1]
+                flat += range(r * w + rec.synced, r * w + len(table))
+                vals += new
+                rec.synced = len(table)
+            rows[i] = r
+        return rows, np.asarray(flat, np.int64), np.asarray(vals, np.int32)
+
+    def apply(self, flat: torch.Tensor, vals: torch.Tensor) -> None:
+        """Writes the changed entries (device copies of update()'s) into the device table."""
+        if flat.shape[0]:
+            self.table.view(-1).index_copy_(0, flat, vals)
+
+    def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """The step's block tables [B, width] (entries past a sequence's own blocks are stale, never read)."""
+        return self.table[:, :width].index_select(0, rows)

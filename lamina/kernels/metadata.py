@@ -1,0 +1,31 @@
+"""Per-step metadata beyond attention: where mixers with per-sequence state (gated delta net, conv) find it,
+and the step context the model's layers receive (attention metadata + state metadata)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.kernels.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class StateMetadata:
+    """State-pool addressing of one step's sequences (row b of the batch = sequence b of AttentionMetadata).
+
+    A sequence whose chunk starts at position 0 (has_initial_state False) starts from a zero state, whatever
+    its slot held. GPU kernels read only the device tensors (graph-safe); the references the host lists."""
+
+    slots: torch.Tensor  # [B] int64
+    has_initial_state: torch.Tensor  # [B] bool
+    slots_cpu: list[int]
+    has_initial_state_cpu: list[bool]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one forward gets: attention metadata, and state metadata for models with a state
+    pool (None otherwise, or in a profiling pass: zero state, nothing written)."""
+
+    attn: AttentionMetadata
+    state: StateMetadata | None = None
