@@ -183,8 +183,10 @@ def test_top_k_candidates_draw_what_the_sorted_vocabulary_draws():
 
 
 def test_out_of_range_parameters_do_not_fail_the_sampler():
-    seqs = [Sequence(0, "r", 0, [1, 2], 2, SamplingParams(temperature=1.0, top_k=2**63, min_tokens=2,
-                                                          stop_token_ids=[10**9]), None, 16, initial_state(2))]
+    # SamplingParams refuses these at the edge; the sampler still must not fail a step should one get through.
+    params = SamplingParams(temperature=1.0, min_tokens=2)
+    params.top_k, params.stop_token_ids = 2**63, [10**9]
+    seqs = [Sequence(0, "r", 0, [1, 2], 2, params, None, 16, initial_state(2))]
     assert Sampler([10**9])(torch.randn(1, 50), seqs).token_ids[0] in range(50)
 
 
