@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lamina.generation_config import SOURCES_HELP
 from lamina.models.builtin import DEFAULT_MODEL
@@ -131,7 +132,8 @@ def add_sampling_args(p: argparse.ArgumentParser, fallback: dict[str, Any]) -> N
     def default(name: str) -> str:
         return f"(default: the model's generation config, else {fallback[name]})"
 
-    p.add_argument("--max-tokens", type=positive_int, default=None, help=f"most tokens to generate {default('max_tokens')}")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help=f"most tokens to generate {default('max_tokens')}")
     p.add_argument("--temperature", type=nonnegative_float, default=None,
                    help=f"0 (or below 1e-5) = greedy {default('temperature')}")
     p.add_argument("--top-p", type=fraction, default=None, help=f"nucleus sampling mass {default('top_p')}")

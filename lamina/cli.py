@@ -62,7 +62,8 @@ def build_parser(bench_commands: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="how much lamina logs to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete prompts offline and print the results", formatter_class=HelpFormatter)
+    gen = sub.add_parser("generate", help="complete prompts offline and print the results",
+                         formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line from stdin)")
     gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
     add_engine_args(gen)

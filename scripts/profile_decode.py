@@ -242,7 +242,8 @@ def op_table(llm: LLM, prompts, batch: int, copy_bw: float) -> list[dict]:
 
 def print_table(rows: list[dict], copy_bw: float, step_us: float | None) -> None:
     rows = sorted(rows, key=lambda r: r["lost_us"], reverse=True)
-    print(f"\nper-op device time of one decode step (own time = minus children), copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    print("\nper-op device time of one decode step (own time = minus children), "
+          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     print(f"{'op':52s} {'class':16s} {'n':>3s} {'us/call':>8s} {'total us':>9s} {'MB/call':>8s} {'GB/s':>6s} "
           f"{'%copy':>6s} {'lost us':>8s}")
     total_own = total_floor = 0.0
@@ -252,7 +253,8 @@ def print_table(rows: list[dict], copy_bw: float, step_us: float | None) -> None
         pct = 100 * r["gbs"] * 1e9 / copy_bw if r["gbs"] == r["gbs"] else float("nan")
         total_own += r["count"] * r["own_us"]
         total_floor += r["count"] * r["floor_us"]
-        print(f"{r['op'][:52]:52s} {r['cls'][:16]:16s} {r['count']:3d} {r['own_us']:8.1f} {r['count'] * r['own_us']:9.1f} "
+        print(f"{r['op'][:52]:52s} {r['cls'][:16]:16s} {r['count']:3d} {r['own_us']:8.1f} "
+              f"{r['count'] * r['own_us']:9.1f} "
               f"{r['bytes'] / 1e6:8.2f} {r['gbs']:6.0f} {pct:6.1f} {r['lost_us']:8.1f}")
     print(f"sum of own times {total_own:.0f} us; floor at copy bandwidth {total_floor:.0f} us "
           f"({100 * total_floor / max(total_own, 1e-9):.1f}%)"

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from model_factory import FAMILY_CONFIGS, make_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -121,7 +121,8 @@ def test_summaries():
     thr = vllm_baseline.summarize_throughput({"vllm_version": "v", "rounds": [payload["rounds"][1]]}, [6], 10)
     assert "5 tokens" in thr["warning"]
     pre = vllm_baseline.summarize_prefix({"vllm_version": "v", "rounds": [
-        {"elapsed_s": 2.0, "ttft_s": [0.1, 0.3, None, 0.2], "output_tokens": [4] * 4, "cached_tokens": [0, 16, 16, 0]}]},
+        {"elapsed_s": 2.0, "ttft_s": [0.1, 0.3, None, 0.2], "output_tokens": [4] * 4,
+         "cached_tokens": [0, 16, 16, 0]}]},
         [[1] * 20] * 4, 4)
     assert pre["ttft_median_s"] == 0.2 and pre["prefill_tokens_computed"] == 48 and pre["output_tok_s"] == 8.0
 
@@ -192,7 +193,8 @@ def test_save_random_checkpoint_serves_in_lamina(tmp_path, smol_tokenizer, capsy
                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(res[0].outputs[0].token_ids) == 3
     # The CLI turns the missing tokenizer into one line and status 2.
-    assert main(["bench", "save-random", "tiny-llama", str(tmp_path / "c2"), "--tokenizer", str(tmp_path / "none")]) == 2
+    argv = ["bench", "save-random", "tiny-llama", str(tmp_path / "c2"), "--tokenizer", str(tmp_path / "none")]
+    assert main(argv) == 2
     assert "no tokenizer files" in capsys.readouterr().err
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import io
 
 import torch
-
 from model_factory import hf_logprobs, make_checkpoint
+
 from lamina import LLM, SamplingParams
 from lamina.cli import main
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-
 from hybrid_helpers import FAMILIES, hybrid_checkpoints
+
 from lamina import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

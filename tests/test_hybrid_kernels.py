@@ -7,8 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.conv1d import causal_conv1d_varlen_ref
-from lamina.kernels.gated_delta import chunk_gated_delta_rule_ref, gated_delta_rule_varlen_ref, \
-    recurrent_gated_delta_rule_ref
+from lamina.kernels.gated_delta import (
+    chunk_gated_delta_rule_ref,
+    gated_delta_rule_varlen_ref,
+    recurrent_gated_delta_rule_ref,
+)
 from lamina.kernels.moe import fused_moe_ref, select_experts
 
 HK, HV, DK, DV = 2, 4, 8, 6
@@ -54,7 +57,7 @@ def test_varlen_batch_reads_and_writes_slots():
     flat = [torch.cat([s[j][0] for s in seqs]) for j in range(5)]
     qs = [0, 10, 11, 81]
     out = gated_delta_rule_varlen_ref(*flat, pool, qs, slots, has_init)
-    for i, (n, slot, init) in enumerate(zip(lens, slots, has_init)):
+    for i, (_n, slot, init) in enumerate(zip(lens, slots, has_init)):
         s0 = before[slot:slot + 1] if init else torch.zeros(1, HV, DK, DV)
         ref, s_ref = recurrent_gated_delta_rule_ref(*seqs[i], s0)
         torch.testing.assert_close(out[qs[i]:qs[i + 1]], ref[0], atol=1e-4, rtol=1e-4)

@@ -7,9 +7,9 @@ import functools
 
 import pytest
 import torch
+from hybrid_helpers import FAMILIES, hf_greedy, hf_logprobs, hybrid_checkpoints
 from safetensors.torch import load_file, save_file
 
-from hybrid_helpers import FAMILIES, hf_greedy, hf_logprobs, hybrid_checkpoints
 from lamina import LLM, SamplingParams
 
 # 150 tokens: three delta-rule chunks (64 + 64 + 22) in one prefill.

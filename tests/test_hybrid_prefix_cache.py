@@ -2,12 +2,11 @@
 it, hits land where snapshots are, and every block, slot and snapshot row is accounted for at the end."""
 from __future__ import annotations
 
-
 import pytest
-
 from hybrid_helpers import FAMILIES, make_hybrid_checkpoint
-from lamina import LLM, SamplingParams
 from model_factory import shared_prefix_prompts
+
+from lamina import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BS, INTERVAL = 4, 8

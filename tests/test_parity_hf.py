@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_factory import FAMILY_CONFIGS, hf_logprobs
+
 from lamina import LLM, SamplingParams
 
 PROMPT = list(range(1000, 1040)) + [5, 17, 923, 4000, 31, 77, 12, 5000]  # 48 tokens, past Mistral's window 12

@@ -1,11 +1,10 @@
 """Prefix caching (dense models): outputs with the cache equal outputs without it; hits counted; all freed."""
 from __future__ import annotations
 
-
 import pytest
+from model_factory import shared_prefix_prompts
 
 from lamina import LLM, SamplingParams
-from model_factory import shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -173,8 +173,9 @@ def test_top_k_candidates_draw_what_the_sorted_vocabulary_draws():
     may differ in the last bit: not compared here.)"""
     sampler = Sampler([], seed=0)
     logits = torch.randn(8, 500)
+    settings = [(5, 0.0), (20, 0.1), (1, 0.0), (50, 0.0)] * 2
     seqs = [Sequence(i, "r", 0, [1, 2] + [3] * i, 2, SamplingParams(temperature=0.9, top_k=k, min_p=mp, seed=5),
-                     5, 16, initial_state(2)) for i, (k, mp) in enumerate([(5, 0.0), (20, 0.1), (1, 0.0), (50, 0.0)] * 2)]
+                     5, 16, initial_state(2)) for i, (k, mp) in enumerate(settings)]
     meta = to_device(build_arrays(seqs, None, [], 500), seqs, torch.device("cpu"))
     assert meta.candidates == 50
     fast = sampler.sample(logits, seqs, meta).token_ids.tolist()

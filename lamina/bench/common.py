@@ -27,7 +27,8 @@ def free_device(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        print(f"device memory still allocated before the baseline: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB")
+        left = torch.cuda.memory_allocated(device) / 2**30
+        print(f"device memory still allocated before the baseline: {left:.2f} GiB")
 
 
 def report(result: dict, path: str | None, show: bool = True) -> None:

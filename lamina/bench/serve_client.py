@@ -53,7 +53,7 @@ def make_requests(num: int, input_len: int, output_len: int, range_ratio: float,
     rng = random.Random(seed)
     ins, outs = _lengths(rng, num, input_len, range_ratio), _lengths(rng, num, output_len, range_ratio)
     reqs = []
-    for i, (n_in, n_out) in enumerate(zip(ins, outs)):
+    for n_in, n_out in zip(ins, outs):
         if prompt_type == "ids":
             # Above the low ids, where tokenizers keep their special tokens.
             prompt: str | list[int] = [rng.randrange(1000, vocab_size) for _ in range(n_in)]

@@ -18,7 +18,7 @@ class Dist:
     p99: float
 
     @classmethod
-    def of(cls, seconds: list[float]) -> "Dist":
+    def of(cls, seconds: list[float]) -> Dist:
         if not seconds:
             return cls(float("nan"), float("nan"), float("nan"), float("nan"))
         a = np.asarray(seconds) * 1000.0
@@ -90,7 +90,8 @@ def format_summary(s: RunSummary) -> str:
         lines.append(f"{name + ' (ms)':<18}mean {d.mean:>10.1f}  p50 {d.p50:>10.1f}  p90 {d.p90:>10.1f}  "
                      f"p99 {d.p99:>10.1f}")
     if s.client_cpu_frac:
-        lines.append(f"{'Client processes, busiest CPU fraction:':<40}{s.num_clients:>5} {max(s.client_cpu_frac):>6.2f}")
+        label = "Client processes, busiest CPU fraction:"
+        lines.append(f"{label:<40}{s.num_clients:>5} {max(s.client_cpu_frac):>6.2f}")
     for k, v in sorted(s.server_counters.items()):
         lines.append(f"{'server ' + k.split(':', 1)[-1] + ':':<40}{v:>12g}")
     for e in s.errors:

@@ -123,7 +123,8 @@ class CoreClient:
             return
         with self._lock:
             self._closing = True
-            self._fail_local(EngineDeadError("the engine is shutting down"), EngineDeadError("the engine is shutting down"))
+            dead = EngineDeadError("the engine is shutting down")
+            self._fail_local(dead, dead)
             loading = not self._ready.is_set()
             if self._dead is None and not loading:
                 try:

@@ -15,12 +15,12 @@ from lamina.cache.prefix_cache import PrefixCache
 from lamina.config import EngineConfig
 from lamina.engine.build import build_graphs, build_pools, load_model_and_tokenizer
 from lamina.engine.detokenizer import Detokenizer, initial_state
+from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
 from lamina.engine.memory import resolve_device, resolve_dtype
 from lamina.engine.request import RequestGroup, Sequence
 from lamina.engine.runner import ModelRunner
 from lamina.engine.sampler import Sampler
-from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.scheduler import ScheduledSeq, Scheduler
 from lamina.engine.startup import StartupTimer
 from lamina.engine.stop import apply_stop_strings, check_token_stop

@@ -107,7 +107,8 @@ class GraphInputs:
             self.state_slots[:bp].fill_(self.padding_slot)
 
     def context(self, key: GraphKey, max_model_len: int, exact_host: bool = False) -> StepContext:
-        """The step context (attention + state metadata) a graph of `key` is captured with. Its host fields describe the key, not a step:
+        """The step context (attention + state metadata) a graph of `key` is captured with. Its host fields
+        describe the key, not a step:
         kernels take their choice from `launch` and their grids from shapes. exact_host=True reads the
         buffers back instead (a host sync), for running the body through the torch reference on a CPU."""
         tp, bp = key.tokens, key.seqs

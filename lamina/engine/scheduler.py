@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.slot_allocator import SlotAllocator
-from lamina.engine.request import Sequence, SeqStatus
-
+from lamina.engine.request import SeqStatus, Sequence
 
 # How far past waiting requests that wait for a prefix being computed admission looks in one step (keeps a
 # long queue of waiters from costing a full scan every step).

@@ -2,7 +2,8 @@
 
 The runner adds typed numpy arrays (token ids, positions, slots, offsets, sampling parameters, ...) one
 after the other at 16-byte aligned offsets (Triton specializes a kernel on whether each pointer argument is
-16-byte aligned: views at 8-byte offsets flip that per step and recompile the kernels); ship() copies the used bytes into a persistent device buffer with
+16-byte aligned: views at 8-byte offsets flip that per step and recompile the kernels); ship() copies the used
+bytes into a persistent device buffer with
 one copy and returns a typed view of it per array. On CUDA the host buffers are pinned and the copy is
 non_blocking; there are two of them, used in turn, each with an event marking when its last copy ran, so
 writing step N+1's inputs never races the still-queued copy of step N (step N-1's copy is long done by then,

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from lamina.models.registry import GGUF_ARCHS

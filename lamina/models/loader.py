@@ -17,7 +17,6 @@ from lamina.models.weight_formats import FormatChoice, assign_formats
 from lamina.models.weights import load_weights
 
 
-
 @dataclass
 class ModelSource:
     path: Path

@@ -13,11 +13,30 @@ from lamina.llm import chat_prompt_ids
 from lamina.outputs import CompletionOutput
 from lamina.server.errors import bad_request
 from lamina.server.protocol import ChatCompletionRequest
-from lamina.server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessageOut,
-                                     ChatStreamChoice, Delta, Usage, chat_logprobs)
-from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Sent, ServerState, abort_unfinished,
-                                   check_num_seqs, collect, error_event, merge, sse,
-                                   start_requests)
+from lamina.server.responses import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    Delta,
+    Usage,
+    chat_logprobs,
+)
+from lamina.server.serving import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ClientDisconnected,
+    Sent,
+    ServerState,
+    abort_unfinished,
+    check_num_seqs,
+    collect,
+    error_event,
+    merge,
+    sse,
+    start_requests,
+)
 
 
 def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> list[int]:

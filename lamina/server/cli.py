@@ -5,8 +5,14 @@ import argparse
 import logging
 import os
 
-from lamina.args import (HelpFormatter, add_engine_args, add_generation_config_arg, engine_kwargs, port_number,
-                         positive_float)
+from lamina.args import (
+    HelpFormatter,
+    add_engine_args,
+    add_generation_config_arg,
+    engine_kwargs,
+    port_number,
+    positive_float,
+)
 
 log = logging.getLogger("lamina.server")
 

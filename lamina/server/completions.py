@@ -15,9 +15,20 @@ from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.server.errors import bad_request
 from lamina.server.protocol import CompletionRequest
 from lamina.server.responses import CompletionChoice, CompletionResponse, Usage, completion_logprobs
-from lamina.server.serving import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Sent, ServerState, abort_unfinished,
-                                   check_num_seqs, collect, error_event, merge, sse,
-                                   start_requests)
+from lamina.server.serving import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ClientDisconnected,
+    Sent,
+    ServerState,
+    abort_unfinished,
+    check_num_seqs,
+    collect,
+    error_event,
+    merge,
+    sse,
+    start_requests,
+)
 
 
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:

@@ -22,7 +22,7 @@ class TimeoutH11Protocol(H11Protocol):
     header_timeout: float = 10.0
 
     @classmethod
-    def with_timeout(cls, seconds: float) -> type["TimeoutH11Protocol"]:
+    def with_timeout(cls, seconds: float) -> type[TimeoutH11Protocol]:
         return type(cls.__name__, (cls,), {"header_timeout": seconds})
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -93,7 +93,7 @@ class BodyLimits:
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return await self._refuse(send, 408, f"the request body did not arrive within {self.timeout:g} s")
             if message["type"] != "http.request":  # the client left: let the app see it as usual
                 return await self.app(scope, _replay([message], receive), send)

@@ -75,7 +75,8 @@ class ServerMetrics:
 
         # Children exist from the start, so every series reads 0 before its first event (not absent).
         for metric in (self.running, self.waiting, self.kv_usage, self.free_blocks, self.total_blocks,
-                       self.prompt_tokens, self.prefix_hits, self.prefix_queries, self.snapshot_hits, self.generation_tokens,
+                       self.prompt_tokens, self.prefix_hits, self.prefix_queries, self.snapshot_hits,
+                       self.generation_tokens,
                        self.step_failures, self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len):
             metric.labels(model_name)
         for reason in ("stop", "length", "error"):

@@ -20,7 +20,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         # As in OpenAI's API: prompt tokens served from the prefix cache.
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens,

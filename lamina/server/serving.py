@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -15,7 +16,6 @@ from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
 from lamina.server.errors import APIError, bad_request
 from lamina.server.metrics import ServerMetrics
-
 
 # Most sequences (prompts x n) one request may start: a bound on what one client takes from the others.
 MAX_SEQS_PER_REQUEST = 256

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hybrid_helpers import FAMILIES, hf_logprobs, hf_model, hybrid_checkpoints
 from model_factory import assert_within_bf16_noise, shared_prefix_prompts
+
 from lamina import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-
 from model_factory import FAMILY_CONFIGS, assert_within_bf16_noise, hf_logprobs
+
 from lamina import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import CUDA, DEV, TOL, rel_err
 
 from lamina.kernels.conv1d import causal_conv1d_varlen_ref
 from lamina.kernels.gated_delta import recurrent_gated_delta_rule_ref
-from kernel_helpers import CUDA, DEV, TOL, rel_err
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from lamina.kernels.gated_delta import gated_delta_rule_varlen_ref
 from kernel_helpers import CUDA, DEV, TOL, rel_err
 
+from lamina.kernels.gated_delta import gated_delta_rule_varlen_ref
 
 
 def make_batch(lens, hk, hv, dk, dv, dtype, seed, strided=False, beta_fp32=False):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import CUDA, DEV, INTERPRET, TOL, rel_err
 
 from lamina.kernels.activation import silu_and_mul_ref
 from lamina.kernels.attention import AttentionMetadata, paged_attention_ref, store_kv_ref
 from lamina.kernels.norm import rms_norm_ref
 from lamina.kernels.rope import apply_rope_ref, rope_cos_sin_cache, rope_inv_freq
-from kernel_helpers import CUDA, DEV, INTERPRET, TOL, rel_err
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

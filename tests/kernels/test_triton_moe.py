@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import CUDA, DEV, INTERPRET, TOL, rel_err
 
 from lamina.kernels.moe import fused_moe_ref, select_experts
-from kernel_helpers import CUDA, DEV, INTERPRET, TOL, rel_err
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

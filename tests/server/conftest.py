@@ -6,7 +6,6 @@ again (tests that could leave work behind assert it through wait_idle).
 from __future__ import annotations
 
 import pytest
-
 from server_helpers import start_server, stop_server
 
 
@@ -29,9 +28,9 @@ def client(server):
 @pytest.fixture(scope="session")
 def llm_engine():
     """An in-process engine for the AsyncEngine and fault-injection tests (one AsyncEngine at a time)."""
+    from server_helpers import MAX_MODEL_LEN, MODEL
+
     from lamina.config import EngineConfig
     from lamina.engine.engine import LLMEngine
-
-    from server_helpers import MAX_MODEL_LEN, MODEL
 
     return LLMEngine(EngineConfig(model=MODEL, max_model_len=MAX_MODEL_LEN, num_kv_blocks=128), progress=False)

@@ -9,9 +9,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families

@@ -5,11 +5,10 @@ import asyncio
 import time
 
 import pytest
+from server_helpers import MAX_MODEL_LEN
 
 from lamina.engine.async_engine import AsyncEngine
 from lamina.sampling_params import SamplingParams
-
-from server_helpers import MAX_MODEL_LEN
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

@@ -5,11 +5,10 @@ import argparse
 import json
 
 import pytest
+from server_helpers import wait_idle
 
 from lamina.bench.serve import add_serve_bench_parser, parse_concurrency
 from lamina.cli import build_parser
-
-from server_helpers import wait_idle
 
 
 def test_parse_concurrency():

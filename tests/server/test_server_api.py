@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from server_helpers import MAX_MODEL_LEN, MODEL, wait_idle
 
 PROMPT = "The capital of France is"

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from server_helpers import MODEL, serve_in_thread
 
 from lamina.cli import build_parser
 from lamina.server.app import build_app, make_state
-
-from server_helpers import MODEL, serve_in_thread
 
 KEY = "sk-lamina-test"
 

@@ -8,10 +8,9 @@ import time
 
 import httpx
 import pytest
+from server_helpers import MODEL, serve_in_thread, start_server, stop_server
 
 from lamina.server.app import ServerOptions, build_app, make_state
-
-from server_helpers import MODEL, serve_in_thread, start_server, stop_server
 
 
 @pytest.fixture(scope="module")

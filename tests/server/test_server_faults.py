@@ -8,10 +8,9 @@ import threading
 
 import openai
 import pytest
+from server_helpers import MODEL, serve_in_thread, wait_idle
 
 from lamina.server.app import build_app, make_state
-
-from server_helpers import MODEL, serve_in_thread, wait_idle
 
 
 class Fault:

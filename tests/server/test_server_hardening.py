@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from server_helpers import MODEL, read_metrics, wait_idle
 
 

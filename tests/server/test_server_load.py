@@ -8,7 +8,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_helpers import MODEL, read_metrics, wait_idle
 
 
