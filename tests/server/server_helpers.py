@@ -42,10 +42,13 @@ class Server:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def start_server(extra: list[str], timeout: float = 240.0, model: str = MODEL) -> Server:
+def start_server(extra: list[str], timeout: float = 240.0, model: str = MODEL, base_args: list[str] | None = None,
+                 verbose: bool = False) -> Server:
+    """`lamina serve model` on a free port (base_args: SERVER_ARGS unless given), once /health answers 200."""
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="lamina-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "lamina.cli", "serve", model, "--port", str(port), *SERVER_ARGS, *extra]
+    cmd = [sys.executable, "-m", "lamina.cli", *(["-v"] if verbose else []), "serve", model, "--port", str(port),
+           *(SERVER_ARGS if base_args is None else base_args), *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)

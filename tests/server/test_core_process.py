@@ -9,41 +9,20 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import Server, free_port, read_metrics
+from server_helpers import Server, read_metrics, start_server
 
 TINY = "random:tiny-llama"
 PROMPT = list(range(100, 116))  # a random model has no tokenizer: token ids only
 
 
 def _start(shutdown_timeout: float = 30.0, timeout: float = 180.0) -> Server:
-    port = free_port()
-    log_path = Path(tempfile.mkstemp(prefix="lamina-core-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "lamina.cli", "-v", "serve", TINY, "--port", str(port), "--max-model-len", "4096",
-           "--kv-cache-memory-gb", "0.1", "--shutdown-timeout", str(shutdown_timeout)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lamina serve exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"lamina serve did not become healthy in {timeout}s:\n{server.log()}")
+    return start_server(["--shutdown-timeout", str(shutdown_timeout)], timeout, TINY, verbose=True,
+                        base_args=["--max-model-len", "4096", "--kv-cache-memory-gb", "0.1"])
 
 
 @pytest.fixture
