@@ -35,15 +35,9 @@ import torch
 import torch.nn.functional as F
 
 if OPTS.interpret:
-    import triton.runtime.interpreter as _interp
+    from lamina.kernels.interpreter import patch_triton_interpreter
 
-    _orig = _interp._patch_lang_tensor
-
-    def _patch(tensor, scope):  # numpy >= 2.4 and the interpreter's 1-element scalars (see the kernel tests)
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch
+    patch_triton_interpreter()
 
 from lamina.kernels.attention_prep import qk_norm_rope_store_ref
 from lamina.kernels.gemv import GemvDispatcher

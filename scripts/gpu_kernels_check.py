@@ -28,17 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 if OPTS.interpret:
-    import triton.runtime.interpreter as _interp
+    from lamina.kernels.interpreter import patch_triton_interpreter
 
-    _orig_patch = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        # Triton 3.6's interpreter keeps scalars as 1-element arrays, and numpy >= 2.4 refuses int() on
-        # them, which breaks range() over loaded bounds; compiled kernels are unaffected.
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
+    patch_triton_interpreter()
 
 from lamina.kernels.activation import silu_and_mul_ref  # noqa: E402
 from lamina.kernels.attention import AttentionMetadata, paged_attention_ref, store_kv_ref  # noqa: E402

@@ -37,14 +37,6 @@ def _triton(monkeypatch):
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # before the test imports a kernel module
     if INTERPRET:
-        import triton.runtime.interpreter as interp
+        from lamina.kernels.interpreter import patch_triton_interpreter
 
-        if not getattr(interp, "_lamina_patched", False):
-            orig = interp._patch_lang_tensor
-
-            def patch(tensor, scope):  # numpy >= 2.4 refuses int() on the interpreter's 1-element scalars
-                orig(tensor, scope)
-                scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-            interp._patch_lang_tensor = patch
-            interp._lamina_patched = True
+        patch_triton_interpreter()

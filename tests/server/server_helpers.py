@@ -119,3 +119,14 @@ def serve_in_thread(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+def raw_exchange(base_url: str, request: bytes, timeout: float = 30.0) -> bytes:
+    """Sends raw bytes to the server and returns everything it answers until it closes the connection."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reply = b""
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(request)
+        while chunk := s.recv(4096):
+            reply += chunk
+    return reply

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import MODEL, serve_in_thread, start_server, stop_server
+from server_helpers import MODEL, raw_exchange, serve_in_thread, start_server, stop_server
 
 from lamina.server.app import ServerOptions, build_app, make_state
 
@@ -66,12 +66,8 @@ def test_half_a_request_line_is_closed(edge):
 
 
 def test_a_stalled_body_is_408(edge):
-    with socket.create_connection(_address(edge), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prom")
-        reply = b""
-        while chunk := s.recv(4096):
-            reply += chunk
+    reply = raw_exchange(edge.base_url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: 100\r\n\r\n{\"prom", timeout=10)
     assert reply.startswith(b"HTTP/1.1 408") and b"connection: close" in reply.lower()
 
 

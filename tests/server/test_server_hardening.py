@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import MODEL, read_metrics, wait_idle
+from server_helpers import MODEL, raw_exchange, read_metrics, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +88,8 @@ def test_body_over_the_limit_is_413_and_closes(server):
 
 
 def test_both_framings_is_400_and_closes(server):
-    host, port = server.base_url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
-        reply = b""
-        while chunk := s.recv(4096):
-            reply += chunk
+    reply = raw_exchange(server.base_url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 400") and b"connection: close" in reply.lower()
     assert b"Transfer-Encoding" in reply
 
