@@ -5,6 +5,8 @@
 #   check   all kernel and GPU tests, the mixed-graph check, the new-kernel bench (~8 min)
 #   bench1  offline throughput (Qwen3-0.6B shape) and online serving at concurrency 64/256, new vs baseline
 #   bench2  batch-1 decode (Qwen3-8B shape) and the shared-prefix workload, new vs baseline
+#   hybrid  the 64-concurrent Qwen3-Next-80B-A3B (24 layers) workload, new vs baseline
+# SIDES="new" runs only this checkout in the A/B modes.
 # Packages the GPU image lacks travel as wheels in .whl (see scripts/gpu_remote_env.sh).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -16,6 +18,8 @@ fi
 # `python3 -m` puts the working directory first on sys.path: each side runs from the directory holding its
 # lamina package.
 NEW=$PWD; OLD=$PWD/.baseline
+SIDES=${SIDES:-old new}
+[ -d .gpu/smoltok ] && export LAMINA_TEST_TOKENIZER=$PWD/.gpu/smoltok  # tests/gpu need a real tokenizer
 what=${1:-check}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 
@@ -29,7 +33,7 @@ fi
 
 run_ab() {  # name, then the bench arguments: runs the baseline, then this checkout
   local name=$1; shift
-  for side in old new; do
+  for side in $SIDES; do
     local dir=$OLD; [ $side = new ] && dir=$NEW
     (cd "$dir" && python3 -m lamina.cli bench "$@" --result-file "$OUT/${name}_$side.json" \
       > "$OUT/${name}_$side.log" 2>&1) || echo "$name $side: exit $?"
@@ -75,4 +79,8 @@ if [ "$what" = bench2 ]; then
   run_ab latency8b latency --model random:qwen3-8b --input-len 128 --output-len 256
   run_ab prefix prefix --model random:qwen3-0.6b --groups 16 --per-group 16 --prefix-len 4096 --question-len 128 \
     --output-len 128 --max-num-batched-tokens 8192
+fi
+if [ "$what" = hybrid ]; then
+  run_ab hybrid throughput --model random:qwen3-next-80b-a3b-24l --num-prompts 64 --input-len 1024 \
+    --output-len 256 --max-num-seqs 64 --max-num-batched-tokens 8192
 fi
