@@ -84,3 +84,10 @@ if [ "$what" = hybrid ]; then
   run_ab hybrid throughput --model random:qwen3-next-80b-a3b-24l --num-prompts 64 --input-len 1024 \
     --output-len 256 --max-num-seqs 64 --max-num-batched-tokens 8192
 fi
+if [ "$what" = profile ]; then  # per-step host/device/idle time (scripts/profile_steps.py), new code only
+  PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 200 python3 scripts/profile_steps.py --out "$OUT/steps_dense.json" 2>&1 \
+    | grep -vE "it/s|generating" | tail -6
+  PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 200 python3 scripts/profile_steps.py --model random:qwen3-next-80b-a3b-24l \
+    --num-prompts 64 --input-len 1024 --output-len 256 --max-num-seqs 64 --out "$OUT/steps_hybrid.json" 2>&1 \
+    | grep -vE "it/s|generating" | tail -6
+fi
