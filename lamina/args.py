@@ -98,6 +98,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--state-snapshot-interval", type=positive_int, default=256,
                    help="hybrid models: tokens between state snapshots (a multiple of block-size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the unseeded-request generator")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run dummy requests at start-up so the first ones pay no kernel compilation "
+                        "(default: on with CUDA)")
     p.set_defaults(loads_model=True)
 
 
@@ -107,7 +110,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,
-                state_snapshot_interval=args.state_snapshot_interval)
+                state_snapshot_interval=args.state_snapshot_interval, warmup=args.warmup)
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

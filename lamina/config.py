@@ -27,6 +27,9 @@ class EngineConfig:
     num_state_snapshots: int | None = None
     state_snapshot_interval: int = 256
     tokenizer: str | None = None
+    # Dummy requests through the step loop at start-up, so the first requests pay no Triton compilation
+    # (engine/warmup.py). Default: on for CUDA.
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

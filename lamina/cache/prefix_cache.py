@@ -163,6 +163,12 @@ class PrefixCache:
     def snapshot_hits(self) -> int:
         return self.snapshots.hits if self.snapshots is not None else 0
 
+    def reset_stats(self) -> None:
+        """Zeroes the hit statistics (after the engine's start-up warm-up)."""
+        self.queried_tokens = self.hit_tokens = 0
+        if self.snapshots is not None:
+            self.snapshots.hits = 0
+
     def count(self, seq: CachedSequence, hit_tokens: int) -> None:
         """Statistics of an admission that went through (a failed one is retried and counted then)."""
         self.queried_tokens += seq.num_tokens

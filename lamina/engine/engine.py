@@ -24,6 +24,7 @@ from lamina.engine.sampler import Sampler
 from lamina.engine.scheduler import ScheduledSeq, Scheduler
 from lamina.engine.startup import StartupTimer
 from lamina.engine.stop import apply_stop_strings, check_token_stop
+from lamina.engine.warmup import warm_up
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
 
@@ -83,6 +84,9 @@ class LLMEngine:
         self.in_flight: InFlight | None = None  # the launched step whose tokens are not read back yet
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
+        if self.device.type == "cuda" if config.warmup is None else config.warmup:
+            warm_up(self)
+            timer.phase("warm-up")
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
