@@ -91,3 +91,7 @@ if [ "$what" = profile ]; then  # per-step host/device/idle time (scripts/profil
     --num-prompts 64 --input-len 1024 --output-len 256 --max-num-seqs 64 --out "$OUT/steps_hybrid.json" 2>&1 \
     | grep -vE "it/s|generating" | tail -6
 fi
+if [ "$what" = attn ]; then  # paged decode attention: tile sweep + CUDA-core variant (scripts/attention_sweep.py)
+  PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 400 python3 scripts/attention_sweep.py --quick --out "$OUT/attn_sweep.json" 2>&1 \
+    | grep -v Warning | tail -45
+fi
