@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.bench.offline import copy_bandwidth
 from lamina.kernels.attention import AttentionMetadata, paged_attention_ref
 from lamina.kernels.triton_attention import paged_attention_triton
 
@@ -130,13 +131,6 @@ def time_graph(fn, calls: int = 20) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e) / 1e3 / calls)
     return statistics.median(times)
-
-
-def copy_bandwidth(dev) -> float:
-    x = torch.empty(2 * 2**30 // 2, dtype=torch.bfloat16, device=dev)
-    y = torch.empty_like(x)
-    t = time_graph(lambda: y.copy_(x), calls=5)
-    return 2 * x.numel() * 2 / t
 
 
 def sweep_shape(name: str, lens: list[int], bw: float, quick: bool, dev: torch.device) -> list[dict]:
