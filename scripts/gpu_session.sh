@@ -95,3 +95,7 @@ if [ "$what" = attn ]; then  # paged decode attention: tile sweep + CUDA-core va
   PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 400 python3 scripts/attention_sweep.py --quick --out "$OUT/attn_sweep.json" 2>&1 \
     | grep -v Warning | tail -45
 fi
+if [ "$what" = moe ]; then  # fused MoE: align kernel and grouped-GEMM tile sweep (scripts/moe_sweep.py)
+  PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 400 python3 scripts/moe_sweep.py --out "$OUT/moe_sweep.json" 2>&1 \
+    | grep -v Warning | tail -30
+fi
