@@ -18,7 +18,7 @@ _CHECKPOINT_MAPS: dict[str, Callable[[ModelConfig], CheckpointMap]] = {
 _CHECKPOINT_MAPS.update({fam: gemma.checkpoint_map for fam in set(gemma.ARCHITECTURES.values())})
 # GGUF architecture names -> HF architecture names.
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "mistral": "MistralForCausalLM"}
+              "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
