@@ -1,4 +1,4 @@
-"""Command line: lamina generate | chat | serve | bench.
+"""Command line: lamina generate | chat | serve | bench | verify.
 
 Every mistake the command line can see before loading (arguments, the model source, the port) is reported
 in one or two lines on stderr with exit status 2; so are the engine's refusals of a request (ValueError).
@@ -14,6 +14,7 @@ from lamina.bench.cli import add_bench_parser
 from lamina.chat_cli import add_chat_parser
 from lamina.preflight import UsageError
 from lamina.server.cli import add_serve_parser
+from lamina.verify import add_verify_parser
 
 log = logging.getLogger("lamina")
 
@@ -73,6 +74,7 @@ def build_parser(bench_commands: bool = True) -> argparse.ArgumentParser:
     add_chat_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub, bench_commands)
+    add_verify_parser(sub)
     return parser
 
 

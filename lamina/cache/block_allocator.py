@@ -14,7 +14,14 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int) -> None:
+    """num_blocks: the pool's blocks. reserve_null: keep the pool's last block out of circulation as the null
+    block, which block-table entries that no layer reads any more point at (sliding-window models free the
+    blocks that fell out of every window; cache/sliding_window.py). Nobody writes it, so it stays zeros,
+    and free/register/forget ignore it; num_blocks then counts the leasable blocks only."""
+
+    def __init__(self, num_blocks: int, reserve_null: bool = False) -> None:
+        self.null_block: int | None = num_blocks - 1 if reserve_null else None
+        num_blocks -= int(reserve_null)
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -54,6 +61,8 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         # Callers pass a block table tail-first, so a chain's tail is evicted before its shared head.
         for b in blocks:
+            if b == self.null_block:
+                continue
             if self.ref_counts[b] <= 0:
                 raise AssertionError(f"double free of block {b}")
             self.ref_counts[b] -= 1
@@ -78,6 +87,8 @@ class BlockAllocator:
 
     def register(self, block: int, block_hash: bytes) -> None:
         """Makes a full, computed block findable by its content hash (first writer wins)."""
+        if block == self.null_block:
+            return
         if block_hash not in self._by_hash and block not in self._hash_of:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash

@@ -11,6 +11,7 @@ from array import array
 from typing import Protocol
 
 from lamina.cache.block_allocator import BlockAllocator
+from lamina.cache.sliding_window import first_live_block
 from lamina.cache.state_snapshots import StateSnapshots
 
 ROOT = bytes(32)  # the parent digest of a sequence's first block
@@ -50,9 +51,13 @@ class CachedSequence(Protocol):
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, block_size: int, snapshots: StateSnapshots | None = None) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, snapshots: StateSnapshots | None = None,
+                 window: int | None = None) -> None:
         self.allocator, self.block_size = allocator, block_size
         self.snapshots = snapshots  # hybrid models: recurrent-state snapshots keyed by the same chain hashes
+        # Sliding-window-only models (cache/sliding_window.py): a hit needs only the blocks the window of its
+        # first computed token reaches; the ones before it come back as the allocator's null block.
+        self.window = window
         self.queried_tokens = 0
         self.hit_tokens = 0
         # Block hash -> running sequences that will compute that block. A new request whose next uncached
@@ -75,6 +80,8 @@ class PrefixCache:
         cached KV block chain up to it and a state snapshot: KV without the state there is useless."""
         usable = (seq.num_tokens - 1) // self.block_size
         hashes = self._hashes(seq, usable)
+        if self.window is not None:
+            return self._match_windowed(hashes)
         found = []
         for h in hashes:
             b = self.allocator.lookup(h)
@@ -94,9 +101,30 @@ class PrefixCache:
             self.allocator.share(b)
         return found, snap
 
+    def _match_windowed(self, hashes: list[bytes]) -> tuple[list[int], int | None]:
+        """The deepest prefix of d blocks whose blocks [first_live_block(d * bs), d) are all cached (and, with
+        snapshots, that has a snapshot at its end); each block's chain hash names its whole prefix."""
+        bs = self.block_size
+        blocks = [self.allocator.lookup(h) for h in hashes]
+        run = 0  # cached blocks ending at index d - 1
+        best, snap = 0, None
+        for d in range(1, len(blocks) + 1):
+            run = run + 1 if blocks[d - 1] is not None else 0
+            if run < d - first_live_block(d * bs, self.window, bs):
+                continue
+            s = self.snapshots.lookup(hashes[d - 1]) if self.snapshots is not None else None
+            if self.snapshots is None or s is not None:
+                best, snap = d, s
+        start = first_live_block(best * bs, self.window, bs)
+        found = [self.allocator.null_block] * start + blocks[start:best]
+        for b in found[start:]:
+            self.allocator.share(b)
+        return found, snap
+
     def cached_depth(self, seq: CachedSequence) -> int:
         """Leading blocks of a waiting sequence whose KV is cached now (not counting the block it must
-        compute). Rescans from where the last call stopped, so a request that waits for many steps costs O(1)
+        compute; with a window, an underestimate once head blocks are evicted: only admission order uses it).
+        Rescans from where the last call stopped, so a request that waits for many steps costs O(1)
         per call; blocks evicted meanwhile only make this an overestimate, which match() corrects."""
         usable = (seq.num_tokens - 1) // self.block_size
         if len(seq.block_hashes) < usable:

@@ -61,8 +61,9 @@ class FullAttentionSpec:
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
-    """K and V of the last `window` tokens. Laid out like full attention; the window is carried so the block
-    manager can free blocks that fell out of it (not done yet: such layers hold every block today)."""
+    """K and V of the last `window` tokens. Laid out like full attention; the window is carried so that, when
+    every KV layer is a sliding-window one, the blocks that fell out of all windows go back to the pool
+    (cache/sliding_window.py). With a full-attention layer in the model every block stays."""
 
     window: int
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lamina.cache.kv_cache import KVCache
+from lamina.cache.sliding_window import release_horizon, window_blocks
 from lamina.cache.state_layout import StateLayout
 from lamina.cache.state_pool import StatePool
 from lamina.cache.state_snapshots import StateSnapshots
@@ -105,6 +106,11 @@ def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: Mode
     if timer is not None:
         timer.phase("KV planning")
     pool_tokens = kv.num_blocks * config.block_size
+    window = release_horizon(layout.kv_specs)
+    if window is not None:  # sliding-window-only: a sequence holds at most its window and one chunk
+        per_seq = window_blocks(window, config.max_num_batched_tokens, config.block_size)
+        if per_seq <= kv.num_blocks - 1:  # one block is the null block
+            pool_tokens = max(pool_tokens, model_config.max_position_embeddings)
     max_model_len = resolve_max_model_len(config, model_config, pool_tokens)
     log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
              kv.num_blocks, config.block_size, pool_tokens, kv.nbytes / 2**30, peak / 2**30)

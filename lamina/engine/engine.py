@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.prefix_cache import PrefixCache
+from lamina.cache.sliding_window import release_horizon
 from lamina.config import EngineConfig
 from lamina.engine.build import build_graphs, build_pools, load_model_and_tokenizer
 from lamina.engine.detokenizer import Detokenizer, initial_state
@@ -61,14 +62,16 @@ class LLMEngine:
         self.state_pool, self.snapshots = pools.state_pool, pools.snapshots
         self.max_model_len = pools.max_model_len
         bs = config.block_size
-        self.allocator = BlockAllocator(self.kv_cache.num_blocks)
+        # Sliding-window-only models free the blocks that fall out of the window (cache/sliding_window.py).
+        window = release_horizon(self.state_layout.kv_specs)
+        self.allocator = BlockAllocator(self.kv_cache.num_blocks, reserve_null=window is not None)
         self.prefix_cache = None
         if config.enable_prefix_caching:
             # Recurrent state cannot be rolled back to a prefix: hybrid models hit only where a snapshot is.
-            self.prefix_cache = PrefixCache(self.allocator, bs, self.snapshots)
+            self.prefix_cache = PrefixCache(self.allocator, bs, self.snapshots, window)
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.state_pool.allocator if self.state_pool is not None else None,
-                                   self.prefix_cache)
+                                   self.prefix_cache, window)
         self.runner = ModelRunner(self.model, bs, self.device)
         self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
         if self.runner.graphs is not None:

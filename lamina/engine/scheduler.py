@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.prefix_cache import PrefixCache
+from lamina.cache.sliding_window import drop_out_of_window
 from lamina.cache.slot_allocator import SlotAllocator
 from lamina.engine.request import SeqStatus, Sequence
 
@@ -51,8 +52,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, state_slots: SlotAllocator | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, window: int | None = None) -> None:
         self.allocator, self.block_size = allocator, block_size
+        # Sliding-window-only models: blocks out of every layer's window go back before each step's growth.
+        self.window = window
         self.prefix_cache = prefix_cache
         # Hybrid models: each running sequence also leases a state-pool slot (admitted -> released).
         self.state_slots = state_slots
@@ -68,6 +71,8 @@ class Scheduler:
         return max(0, total - len(seq.block_table))
 
     def _grow(self, seq: Sequence, n: int) -> bool:
+        if self.window is not None:
+            drop_out_of_window(seq, self.allocator, self.block_size, self.window)
         need = self._blocks_needed(seq, n)
         if need > self.allocator.num_free:
             return False

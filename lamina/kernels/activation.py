@@ -1,4 +1,4 @@
-"""SiLU-and-mul: the gated activation of SwiGLU feed-forwards."""
+"""Gated activations: SiLU-and-mul (SwiGLU feed-forwards) and tanh-GELU-and-mul (GeGLU: Gemma)."""
 from __future__ import annotations
 
 import torch
@@ -19,3 +19,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2*I] with gate then up halves -> [T, I]: gelu(gate, tanh approximation) * up (HF's
+    gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        from lamina.kernels.triton_activation import gelu_tanh_and_mul_triton
+
+        return gelu_tanh_and_mul_triton(x)
+    return gelu_tanh_and_mul_ref(x)

@@ -51,10 +51,12 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_heads,
 
 @triton.jit
 def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask, allowed, scale_log2,
-                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 cap_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, MASK: tl.constexpr):
-    """One online-softmax step over BLOCK_N keys gathered through the block table (exp2 domain)."""
+                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One online-softmax step over BLOCK_N keys gathered through the block table (exp2 domain).
+    SOFTCAP: scale_log2 is scale / cap and cap_log2 is cap * log2(e), so s = cap * tanh(qk * scale / cap)
+    in the exp2 domain."""
     # Keys past the context are masked on every load: unused cache slots may hold anything, NaN included.
     blk = tl.load(bt_row_ptr + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
     slot = (kpos % PAGE).to(tl.int64)
@@ -62,6 +64,9 @@ def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask
     k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
     k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kmask[None, :] & (d < D)[:, None], other=0.0)
     s = tl.dot(qt, k.to(qt.dtype), input_precision=DOT_PREC) * scale_log2
+    if SOFTCAP:
+        # tanh(x) = 2 / (1 + exp(-2x)) - 1: saturates to +-1 without inf/inf for large |x|.
+        s = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * cap_log2
     if MASK:
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -81,12 +86,13 @@ def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask
 # not trigger a recompile, least of all while a CUDA graph is being captured.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, bt_ptr, seq_lens_ptr, qs_ptr,
-                   scale_log2, window, num_splits, num_q_heads,
+                   scale_log2, cap_log2, window, num_splits, num_q_heads,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
-                   SLIDING: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr):
+                   SLIDING: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+                   SOFTCAP: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -119,9 +125,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, bt_ptr,
         kpos = kstart + n
         kmask = kpos < end
         m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask,
-                                     kmask[None, :], scale_log2,
+                                     kmask[None, :], scale_log2, cap_log2,
                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, True)
+                                     D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, True, SOFTCAP)
     dv = tl.arange(0, BLOCK_DV)
     if DIRECT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -160,12 +166,13 @@ def _decode_reduce_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr, qs_ptr, num_q_heads, st
 
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, nseq_ptr, num_seqs, scale_log2,
-                    window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    cap_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
                     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, SLIDING: tl.constexpr,
-                    SKIP_DECODE: tl.constexpr, HAS_NSEQ: tl.constexpr, DOT_PREC: tl.constexpr):
+                    SKIP_DECODE: tl.constexpr, HAS_NSEQ: tl.constexpr, DOT_PREC: tl.constexpr,
+                    SOFTCAP: tl.constexpr = False):
     # Last tiles first: they see the most keys, and starting them early shortens the tail.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -226,8 +233,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
         if SLIDING:
             allowed = kpos[None, :] > q_pos[:, None] - window
         m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
-                                     scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                     stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, SLIDING)
+                                     scale_log2, cap_log2, stride_kb, stride_kt, stride_kh, stride_vb,
+                                     stride_vt, stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, SLIDING,
+                                     SOFTCAP)
     for kstart in range(full_end, kv_end, BLOCK_N):
         kpos = kstart + n
         kmask = kpos < kv_end
@@ -235,8 +243,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
         if SLIDING:
             allowed = allowed & (kpos[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
-                                     scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                     stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, True)
+                                     scale_log2, cap_log2, stride_kb, stride_kt, stride_kh, stride_vb,
+                                     stride_vt, stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, True,
+                                     SOFTCAP)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     dv = tl.arange(0, BLOCK_DV)
     o_off = (q_start + tok).to(tl.int64) * stride_ot + qh * stride_oh
@@ -308,7 +317,8 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                           scale: float, sliding_window: int | None = None, *, out: torch.Tensor | None = None,
+                           scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
+                           out: torch.Tensor | None = None,
                            num_splits: int | None = None, tune: dict[str, int] | None = None,
                            poison_workspace: bool = False) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, Dv]. The keyword-only arguments exist for tests and tuning sweeps
@@ -317,7 +327,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Which kernels run comes from `launch_of(meta)`: the host fields of an eager step, or the fixed plan a
     CUDA-graph runner's metadata carries (then the grids depend only on q's shape and meta.num_seqs, and
     rows are told apart on the device; see attention_launch.py). Sequences with seq_len 0 are padding:
-    both kernels write zeros for their rows and read no K/V."""
+    both kernels write zeros for their rows and read no K/V. softcap: tanh soft-capping of the scores
+    (None or 0: off)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -334,6 +345,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sliding = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if sliding else 0
     scale_log2 = float(scale) * _LOG2E
+    capped = bool(softcap)
+    cap_log2 = float(softcap) * _LOG2E if capped else 0.0
+    if capped:
+        scale_log2 = float(scale) / float(softcap)  # the tile applies tanh, then cap * log2(e)
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     bt, seq_lens, qs = meta.block_tables, meta.seq_lens, meta.query_start
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -352,10 +367,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         else:
             po = pm = pl = out  # unused when DIRECT
         _decode_kernel[(b, hkv, splits)](
-            q, k_cache, v_cache, out, po, pm, pl, bt, seq_lens, qs, scale_log2, window, splits, hq,
+            q, k_cache, v_cache, out, po, pm, pl, bt, seq_lens, qs, scale_log2, cap_log2, window, splits, hq,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
             G=g, G_PAD=g_pad, BLOCK_N=tiles.decode_block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
-            PAGE=page, SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, num_warps=tiles.decode_warps,
+            PAGE=page, SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, SOFTCAP=capped,
+            num_warps=tiles.decode_warps,
             num_stages=tiles.decode_stages)
         if splits > 1:
             _decode_reduce_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1),
@@ -367,10 +383,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         grid = (t // block_q + b, hkv)
         nseq = launch.num_seqs
         _prefill_kernel[grid](
-            q, k_cache, v_cache, out, bt, seq_lens, qs, qs if nseq is None else nseq, b, scale_log2, window,
+            q, k_cache, v_cache, out, bt, seq_lens, qs, qs if nseq is None else nseq, b, scale_log2, cap_log2,
+            window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
             G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.prefill_block_n, D=d, BLOCK_D=block_d,
             DV=dv, BLOCK_DV=block_dv, PAGE=page, SLIDING=sliding, SKIP_DECODE=have_decode, HAS_NSEQ=nseq is not None,
-            DOT_PREC=prec,
+            DOT_PREC=prec, SOFTCAP=capped,
             num_warps=tiles.prefill_warps, num_stages=tiles.prefill_stages)
     return out

@@ -16,6 +16,10 @@ class LayerSpec:
     mixer: str = "attention"
     ffn: str = "dense"
     sliding_window: int | None = None
+    # This layer's own RoPE base and scaling (Gemma 3's sliding layers: rope_local_base_freq); None: the
+    # model's rope_theta / rope_scaling.
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
 
 
 # Mixers that keep K/V in the paged KV pool (what each layer keeps is its own state_spec(); this is for
@@ -68,6 +72,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w): 1.0 for Qwen3-Next/Qwen3.5's zero-centred w
+    # Gemma 2/3: the sandwich layer (extra norms after attention and around the FFN), embeddings scaled by
+    # sqrt(hidden) in the model dtype, attention scale query_pre_attn_scalar**-0.5 instead of head_dim's,
+    # tanh soft-capping of attention scores and final logits (cap * tanh(x / cap); None: off).
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     gdn: GatedDeltaNetSpec | None = None
     moe: MoESpec | None = None
 

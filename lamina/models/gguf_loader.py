@@ -20,6 +20,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma 2/3 (sandwich layers): llama.cpp's ffn_norm is the norm before the FFN, and two more follow the
+# sublayers. Its converter stores Gemma's RMSNorm weights as (1 + w): _GEMMA_ARCHS' norms load as w - 1.
+_GEMMA_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA_ARCHS = ("gemma2", "gemma3")
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -54,13 +59,28 @@ def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "sliding_window": g("attention.sliding_window"),
     }
+    if arch in _GEMMA_ARCHS:
+        hf.update(_gemma_fields(arch, g))
     return hf
 
 
-def _hf_name(name: str) -> str:
+def _gemma_fields(arch: str, g) -> dict[str, Any]:
+    """What Gemma adds. GGUF has no local RoPE base, window pattern or query_pre_attn_scalar: llama.cpp and HF
+    take Gemma 3's defaults (10000, every 6th layer global, 256) and so do we (gemma family defaults)."""
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = g("attn_logit_softcapping", 50.0)
+        out["final_logit_softcapping"] = g("final_logit_softcapping", 30.0)
+    kind, factor = g("rope.scaling.type"), g("rope.scaling.factor")
+    if kind == "linear" and factor and factor != 1.0:
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    return out
+
+
+def _hf_name(name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
     if m:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+        return f"model.layers.{m[1]}.{layer_names[m[2]]}.{m[3]}"
     base, kind = name.rsplit(".", 1)
     return f"{_GLOBAL_NAMES[base]}.{kind}"
 
@@ -73,6 +93,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def iter_gguf(reader: GGUFReader, hf: dict[str, Any], dtype: torch.dtype,
               device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     llama_like = hf["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM")
+    gemma = hf["architectures"][0] in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    layer_names = _GEMMA_NAMES if gemma else _LAYER_NAMES
     for t in reader.tensors:
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             arr = np.asarray(t.data)
@@ -84,10 +106,12 @@ def iter_gguf(reader: GGUFReader, hf: dict[str, Any], dtype: torch.dtype,
             arr = _unpermute(arr, hf["num_attention_heads"])
         elif llama_like and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             arr = _unpermute(arr, hf["num_key_value_heads"])
+        if gemma and t.name.endswith("norm.weight"):
+            arr = arr.astype(np.float32) - 1.0  # stored as (1 + w)
         arr = np.ascontiguousarray(arr)
         if not arr.flags.writeable:  # unquantized tensors are read-only views of the mmap
             arr = arr.copy()
-        yield _hf_name(t.name), torch.from_numpy(arr).to(device=device, dtype=dtype)
+        yield _hf_name(t.name, layer_names), torch.from_numpy(arr).to(device=device, dtype=dtype)
 
 
 def open_gguf(path: Path) -> GGUFReader:

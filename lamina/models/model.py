@@ -1,26 +1,46 @@
 """The one model loop: embed -> decoder layers -> final norm -> lm_head on the rows that are sampled."""
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
 from lamina.cache.specs import Stateful
 from lamina.kernels.metadata import StepContext
-from lamina.models.config import ModelConfig
+from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.decoder import DecoderLayer
 from lamina.models.layers.linear import Embedding, Linear
 from lamina.models.layers.norm import RMSNorm
 from lamina.models.layers.rope_table import RopeTable
+from lamina.models.layers.sandwich_decoder import SandwichDecoderLayer
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        # One RoPE table for the whole model, handed to the layers that rotate (filled after loading).
+        # One RoPE table per distinct (base, scaling) the layers use (Gemma 3: local and global), shared by
+        # the layers that rotate with it (filled after loading).
         self.rope = RopeTable(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, self.rope) for spec in cfg.layers)
+        self.ropes = {_rope_key(cfg.rope_theta, cfg.rope_scaling): self.rope}
+        for spec in cfg.layers:
+            if spec.rope_theta is not None:
+                key = _rope_key(spec.rope_theta, spec.rope_scaling)
+                self.ropes.setdefault(key, RopeTable(cfg.rotary_dim, spec.rope_theta, spec.rope_scaling))
+        layer_cls = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(cfg, spec, self._rope_of(cfg, spec)) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.embed_scale = cfg.embed_scale
+
+    def _rope_of(self, cfg: ModelConfig, spec: LayerSpec) -> RopeTable:
+        if spec.rope_theta is None:
+            return self.rope
+        return self.ropes[_rope_key(spec.rope_theta, spec.rope_scaling)]
+
+
+def _rope_key(theta: float, scaling: dict | None) -> str:
+    return json.dumps([theta, scaling], sort_keys=True)
 
 
 class CausalLM(nn.Module):
@@ -38,7 +58,8 @@ class CausalLM(nn.Module):
 
     def init_rope(self, max_positions: int) -> None:
         """Builds the shared cos/sin table (fp32, on the weights' device) once, after loading."""
-        self.model.rope.build(max_positions, self.lm_head.weight.device)
+        for rope in self.model.ropes.values():
+            rope.build(max_positions, self.lm_head.weight.device)
 
     def state_layers(self) -> list[Stateful]:
         """The mixers, in layer order: each declares its per-sequence state (state_spec, None for none) and
@@ -48,6 +69,9 @@ class CausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       ctx: StepContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        if self.model.embed_scale is not None:
+            # HF multiplies by the scale rounded to the model dtype (sqrt(640) is 25.25 in bf16, not 25.30).
+            x = x * torch.tensor(self.model.embed_scale, dtype=x.dtype).item()
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, positions, ctx)
@@ -55,7 +79,10 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        # Capped in fp32 (HF caps in the model dtype; the cap only bends logits near +-cap).
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 logits_indices: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,18 @@ PRESETS: dict[str, dict[str, Any]] = {
                             linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=64,
                             shared_expert_intermediate_size=64, num_experts_per_tok=2, num_experts=8,
                             norm_topk_prob=True, full_attention_interval=4, eos_token_id=2, bos_token_id=1),
+    # Gemma 3 4B's language model (5 sliding-window layers of 1024 per global layer, linear rope scaling 8
+    # on the global ones) and Gemma 3 270M.
+    "gemma3-4b": dict(architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=2560,
+                      intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+                      rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                      max_position_embeddings=131072, rms_norm_eps=1e-6, eos_token_id=[1, 106], bos_token_id=2),
+    "gemma3-270m": dict(architectures=["Gemma3ForCausalLM"], vocab_size=262144, hidden_size=640,
+                        intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=256, query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+                        rope_theta=1e6, rope_local_base_freq=1e4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                        eos_token_id=[1, 106], bos_token_id=2),
     "tiny-llama": dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=256, intermediate_size=768,
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        max_position_embeddings=4096, eos_token_id=2, bos_token_id=1),

@@ -25,7 +25,9 @@ class AttentionBase(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
-        self.scale = self.head_dim**-0.5
+        # Gemma scales by query_pre_attn_scalar**-0.5 (its head_dim or hidden/heads), others by head_dim's.
+        self.scale = float(cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = cfg.attn_logit_softcap  # tanh soft-capping of the scores (Gemma 2); None: off
         self.sliding_window = spec.sliding_window
         self.rope = rope  # shared by all layers; filled by the model after loading
         self._kv: KVBlocks | None = None  # bound by the engine (views into the KV pool; stable for CUDA graphs)
@@ -78,5 +80,6 @@ class Attention(AttentionBase):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q = self._norm_rope_store(q, k, v, positions, ctx.attn)
-        out = paged_attention(q, self.k_cache, self.v_cache, ctx.attn, self.scale, self.sliding_window)
+        out = paged_attention(q, self.k_cache, self.v_cache, ctx.attn, self.scale, self.sliding_window,
+                              self.softcap)
         return self.o_proj(out.reshape(t, -1))
