@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from model_factory import shared_prefix_prompts
 
 from lamina import LLM, SamplingParams
 from lamina.engine.cuda_graph import CudaGraphRunner
@@ -177,3 +178,28 @@ def test_padded_body_equals_eager_forward_moe_and_hybrid(hybrid_ckpts, family, o
     assert kinds == {True, False}
     assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
     assert pad is None or eng.state_pool.num_free == eng.state_pool.num_slots
+
+
+def test_hybrid_prefix_cache_through_padded_body(hybrid_ckpts, one_thread):
+    """Prefix caching on a hybrid model with every step through the padded graph body: snapshot steps (chunks
+    cut at snapshot positions) and steps after a restore give the cache-off tokens, snapshots hit, and every
+    block, slot and snapshot row comes back."""
+    prompts = shared_prefix_prompts(3, per_group=3, prefix_len=26)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = {"max_num_batched_tokens": 32, "max_num_seqs": 6}
+    want = _llm(hybrid_ckpts["qwen3_next"], enable_prefix_caching=False, **kw).generate(prompts, params,
+                                                                                        use_tqdm=False)
+    llm = _llm(hybrid_ckpts["qwen3_next"], enable_prefix_caching=True, state_snapshot_interval=8, **kw)
+    eng = llm.engine
+    eng.runner.graphs = graphs = CheckedGraphs(eng.model, 6, eng.max_model_len, 4, eng.device,
+                                               eng.state_pool.padding_slot, max_num_batched_tokens=32,
+                                               state_pool=eng.state_pool)
+    for _ in range(2):  # the second round finds every prefix cached
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert graphs.worst < 1e-4 and {k.decode for _, k in graphs.used} == {True, False}
+    assert eng.stats().num_snapshot_hits > 0
+    snaps = eng.snapshots
+    assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
+    assert eng.state_pool.num_free == eng.state_pool.num_slots
+    assert snaps.num_used + snaps.num_free == snaps.num_snapshots
