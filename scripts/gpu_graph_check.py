@@ -1,6 +1,7 @@
 """GPU check of the CUDA graphs for mixed prefill+decode steps (run on the H200, ~3-4 min of device time).
 
     python3 scripts/gpu_graph_check.py [--model random:qwen3-0.6b] [--out DIR] [--skip-eager-bench]
+    python3 scripts/gpu_graph_check.py --hybrid [--out DIR] [--skip-tiny]      (~5 min)
 
 Each mode runs in a fresh child process (own KV pool, own graphs):
   graphs  every step replays a graph (decode graphs + mixed graphs), the new default
@@ -16,6 +17,16 @@ Timings (bf16): start-up and graph capture (time, memory), the offline throughpu
 (256 requests, prompts U[100,1024], 512 out, --max-num-batched-tokens 8192) and a server-like one (64
 in flight, a new request as soon as one finishes: mixed steps all along). A table is printed at the end and
 everything is written to DIR/graph_check.json.
+
+--hybrid (gated delta net + gated attention + MoE):
+- random:tiny-qwen3-next (dk = 32; skipped with --skip-tiny): the staggered workload in fp32 (graphs vs eager)
+  and bf16 (graphs and decode vs eager), as above; every KV block and state slot free afterwards;
+- random:qwen3-next-80b-a3b-24l in bf16 (the real head shapes, dk = dv = 128, 512 experts), modes graphs and
+  decode (LAMINA_MIXED_GRAPHS=1 / 0) in two children: the staggered workload (graphs compared with decode,
+  whose mixed steps run eagerly), then the throughput workload of `lamina bench throughput --model
+  random:qwen3-next-80b-a3b-24l --num-prompts 64 --input-len 1024 --output-len 256 --max-num-seqs 64
+  --max-num-batched-tokens 8192` with the engine settings that command line gives (same parser, same
+  workload), timed, with its steps counted per kind (graph / eager).
 """
 from __future__ import annotations
 
@@ -29,6 +40,9 @@ import time
 from collections import Counter
 
 MODES = {"graphs": {}, "decode": {"LAMINA_MIXED_GRAPHS": "0"}, "eager": {}}
+TINY_HYBRID = "random:tiny-qwen3-next"
+HYBRID_BENCH = ["--model", "random:qwen3-next-80b-a3b-24l", "--num-prompts", "64", "--input-len", "1024",
+                "--output-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens", "8192"]
 TOL = {"float32": 1e-3, "bfloat16": 0.08}  # max |d logprob| graph vs eager (bf16: see the decode baseline)
 TIE = {"float32": 1e-3, "bfloat16": 0.08}  # a greedy divergence is accepted where eager's top two are this close
 
@@ -103,19 +117,41 @@ def _server_like(eng, n: int, conc: int, in_len: int, out_len: int) -> dict:
     return {"elapsed_s": elapsed, "output_tok_s": n * out_len / elapsed}
 
 
+def _all_free(eng) -> bool:
+    pool = eng.state_pool
+    return (eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
+            and (pool is None or pool.num_free == pool.num_slots))
+
+
+def _hybrid_bench_engine(dtype: str, model: str):
+    """The engine settings and parsed arguments of the hybrid `lamina bench throughput` command line (model:
+    its preset, or the tiny one in a --small smoke run)."""
+    from lamina.args import engine_kwargs
+    from lamina.cli import build_parser
+
+    cli = build_parser().parse_args(["bench", "throughput", *HYBRID_BENCH, "--dtype", dtype])
+    cli.model = model
+    return engine_kwargs(cli), cli
+
+
 def child(args) -> None:
     import torch
 
     from lamina import LLM
     from lamina.bench.offline import run_throughput
-    from lamina.bench.workload import make_workload
+    from lamina.bench.workload import make_workload, parse_range
 
     torch.manual_seed(0)  # random: presets draw their weights from the global generator: same model per mode
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=8192,
-              enforce_eager=args.child == "eager", progress=False)
+    if args.hybrid_bench:
+        kw, cli = _hybrid_bench_engine(args.dtype, args.model)
+        kw["enforce_eager"] = args.child == "eager"
+    else:
+        kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=8192,
+                  enforce_eager=args.child == "eager", progress=False)
+    llm = LLM(**kw)
     eng = llm.engine
-    res = {"mode": args.child, "dtype": args.dtype, "startup_s": time.perf_counter() - t0}
+    res = {"mode": args.child, "dtype": args.dtype, "model": kw["model"], "startup_s": time.perf_counter() - t0}
     g = eng.runner.graphs
     if g is not None:
         res.update(graphs=len(g.graphs), capture_s=g.capture_s, capture_gib=g.capture_bytes / 2**30,
@@ -125,9 +161,19 @@ def child(args) -> None:
     eng.stream_outputs = True
     res["outputs"] = _staggered(eng, 10 if args.small else 48, seed=3, every=2, per_join=2,
                                 out_len=(2, 6) if args.small else (4, 40))
-    res["all_free"] = eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
+    res["all_free"] = _all_free(eng)
     res["steps_check"] = dict(counts)
-    if args.bench:
+    if args.hybrid_bench:
+        counts.clear()
+        eng.stream_outputs = False
+        wl = make_workload(cli.num_prompts, parse_range(cli.input_len), parse_range(cli.output_len),
+                           eng.model_config.vocab_size)  # cmd_throughput's workload (its seed)
+        if args.small:
+            wl = make_workload(4, (64, 64), (8, 8), eng.model_config.vocab_size)
+        res["hybrid_bench"] = run_throughput(llm, wl, cli.temperature)
+        res["steps_hybrid_bench"] = dict(counts)
+        res["all_free_after_bench"] = _all_free(eng)
+    elif args.bench:
         counts.clear()
         eng.stream_outputs = False
         n, out = (8, 8) if args.small else (256, 512)
@@ -140,7 +186,7 @@ def child(args) -> None:
         counts.clear()
         res["server_like"] = _server_like(eng, *((8, 4, 64, 8) if args.small else (256, 64, 512, 128)))
         res["steps_server_like"] = dict(counts)
-        res["all_free_after_bench"] = eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
+        res["all_free_after_bench"] = _all_free(eng)
     res["peak_gib"] = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
     with open(args.result, "w") as f:
         json.dump(res, f)
@@ -172,73 +218,119 @@ def compare(got: dict, want: dict, tie: float) -> dict:
             "mismatches": bad}
 
 
+def _plan(args) -> list[dict]:
+    """The child runs: name, model, dtype, mode, and what else it does."""
+    def run(prefix, model, dtype, mode, **flags):
+        return {"name": f"{prefix}{dtype} {mode}", "model": model, "dtype": dtype, "mode": mode, **flags}
+
+    def staggered(prefix, model, bench):
+        return [run(prefix, model, "float32", m) for m in ("graphs", "eager")] + \
+            [run(prefix, model, "bfloat16", m, bench=bench and not (m == "eager" and args.skip_eager_bench))
+             for m in ("graphs", "decode", "eager")]
+
+    if not args.hybrid:
+        return staggered("", args.model, True)
+    plan = [] if args.skip_tiny else staggered("tiny ", TINY_HYBRID, False)
+    big = TINY_HYBRID if args.small else HYBRID_BENCH[1]  # --small: a CPU smoke run cannot hold 80 GB
+    return plan + [run("80b ", big, "bfloat16", m, hybrid_bench=True) for m in ("graphs", "decode")]
+
+
+def _comparisons(plan: list[dict]) -> list[tuple[str, str, str]]:
+    """(run, its reference, dtype): every graph mode against eager where an eager run exists, else the hybrid
+    80b graphs against decode (whose mixed steps are eager)."""
+    names = {r["name"] for r in plan}
+    out = []
+    for r in plan:
+        if r["mode"] == "eager":
+            continue
+        prefix = r["name"][: -len(f"{r['dtype']} {r['mode']}")]
+        ref = f"{prefix}{r['dtype']} eager"
+        if ref not in names and r["mode"] == "graphs":
+            ref = f"{prefix}{r['dtype']} decode"
+        if ref in names:
+            out.append((r["name"], ref, r["dtype"]))
+    return sorted(out, key=lambda c: not c[0].endswith("decode"))  # decode first: the bf16 yardstick
+
+
+def _table(runs: dict) -> None:
+    print("\nrun                  startup_s  graphs  capture_s  capture_GiB  offline_tok/s  server_like_tok/s  "
+          "hybrid_bench_tok/s  mixed steps graph/eager  pad%")
+    for name, r in runs.items():
+        if r["dtype"] != "bfloat16":
+            continue
+        s = r.get("steps_server_like") or r.get("steps_hybrid_bench") or {}
+        pad = 100 * s.get("mixed_pad_rows", 0) / max(s.get("mixed_pad_rows", 0) + s.get("mixed_rows", 0), 1)
+        print(f"{name:<20} {r['startup_s']:>9.1f}  {r.get('graphs', 0):>6}  {r.get('capture_s', 0):>9.2f}  "
+              f"{r.get('capture_gib', 0):>11.2f}  {r.get('offline', {}).get('output_tok_s', 0):>13,.0f}  "
+              f"{r.get('server_like', {}).get('output_tok_s', 0):>17,.0f}  "
+              f"{r.get('hybrid_bench', {}).get('output_tok_s', 0):>18,.0f}  "
+              f"{s.get('mixed_graph', 0):>10}/{s.get('mixed_eager', 0):<12}  {pad:4.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen3-0.6b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-eager-bench", action="store_true", help="no throughput timing of the eager mode")
+    ap.add_argument("--hybrid", action="store_true", help="the hybrid checks and the hybrid workload A/B")
+    ap.add_argument("--skip-tiny", action="store_true", help="--hybrid: only the 80b runs")
     ap.add_argument("--small", action="store_true", help="tiny workloads (a CPU smoke run of the script)")
     ap.add_argument("--child", choices=list(MODES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--hybrid-bench", action="store_true")
     ap.add_argument("--result")
     args = ap.parse_args()
     if args.child:
         return child(args)
     os.makedirs(args.out, exist_ok=True)
     runs = {}
-    plan = [("float32", m, False) for m in ("graphs", "eager")] + \
-        [("bfloat16", m, not (m == "eager" and args.skip_eager_bench)) for m in ("graphs", "decode", "eager")]
-    for dtype, mode, bench in plan:
-        path = os.path.join(args.out, f"graph_check_{mode}_{dtype}.json")
-        cmd = [sys.executable, __file__, "--child", mode, "--dtype", dtype, "--model", args.model, "--result", path]
-        cmd += (["--bench"] if bench else []) + (["--small"] if args.small else [])
-        env = {**os.environ, **MODES[mode]}
+    plan = _plan(args)
+    for r in plan:
+        path = os.path.join(args.out, "graph_check_" + r["name"].replace(" ", "_") + ".json")
+        cmd = [sys.executable, __file__, "--child", r["mode"], "--dtype", r["dtype"], "--model", r["model"],
+               "--result", path]
+        cmd += (["--bench"] if r.get("bench") else []) + (["--hybrid-bench"] if r.get("hybrid_bench") else [])
+        cmd += ["--small"] if args.small else []
+        env = {**os.environ, **MODES[r["mode"]]}
         t = time.perf_counter()
         proc = subprocess.run(cmd, env=env, check=False)
-        print(f"[{dtype} {mode}] exit {proc.returncode} in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"[{r['name']}] exit {proc.returncode} in {time.perf_counter() - t:.1f} s", flush=True)
         if proc.returncode == 0:
             with open(path) as f:
-                runs[(dtype, mode)] = json.load(f)
-    failures = []
+                runs[r["name"]] = json.load(f)
+    failures = [f"{r['name']}: the run failed" for r in plan if r["name"] not in runs]
     summary = {}
-    for dtype in ("float32", "bfloat16"):
-        ref = runs.get((dtype, "eager"))
-        for mode in ("decode", "graphs"):  # decode first: its error is the bf16 yardstick
-            r = runs.get((dtype, mode))
-            if r is None or ref is None:
-                if (dtype, mode) in [(d, m) for d, m, _ in plan]:
-                    failures.append(f"{dtype} {mode}: a run failed")
-                continue
-            # The mixed graphs may differ from eager by at most twice what decode graphs already do (bf16).
-            base = summary.get(f"{dtype} decode vs eager", {}).get("max_dlogprob", 0.0)
-            tol = max(TOL[dtype], 2 * base) if mode == "graphs" else TOL[dtype]
-            c = compare(r["outputs"], ref["outputs"], max(TIE[dtype], tol))
-            summary[f"{dtype} {mode} vs eager"] = c
-            if c["mismatches"]:
-                failures.append(f"{dtype} {mode}: tokens differ beyond a near-tie: {c['mismatches'][:5]}")
-            if c["max_dlogprob"] > tol:
-                failures.append(f"{dtype} {mode}: max |d logprob| {c['max_dlogprob']:.2e} > {tol:.2e}")
-            if mode == "graphs" and r["steps_check"].get("mixed_eager", 0) + r["steps_check"].get("decode_eager", 0):
-                failures.append(f"{dtype} graphs: eager steps ran: {r['steps_check']}")
-            if not r["all_free"] or not r.get("all_free_after_bench", True):
-                failures.append(f"{dtype} {mode}: KV blocks leaked")
-    with open(os.path.join(args.out, "graph_check.json"), "w") as f:
-        json.dump({"runs": {f"{d} {m}": {k: v for k, v in r.items() if k != "outputs"} for (d, m), r in runs.items()},
-                   "compare": summary, "failures": failures}, f, indent=1)
-    print("\nmode           startup_s  graphs  capture_s  capture_GiB  offline_tok/s  server_like_tok/s  "
-          "mixed steps graph/eager  pad%")
-    for (dtype, mode), r in runs.items():
-        if dtype != "bfloat16":
+    for name, ref_name, dtype in _comparisons(plan):
+        r, ref = runs.get(name), runs.get(ref_name)
+        if r is None or ref is None:
             continue
-        s = r.get("steps_server_like", {})
-        pad = 100 * s.get("mixed_pad_rows", 0) / max(s.get("mixed_pad_rows", 0) + s.get("mixed_rows", 0), 1)
-        print(f"{mode:<14} {r['startup_s']:>9.1f}  {r.get('graphs', 0):>6}  {r.get('capture_s', 0):>9.2f}  "
-              f"{r.get('capture_gib', 0):>11.2f}  {r.get('offline', {}).get('output_tok_s', 0):>13,.0f}  "
-              f"{r.get('server_like', {}).get('output_tok_s', 0):>17,.0f}  "
-              f"{s.get('mixed_graph', 0):>10}/{s.get('mixed_eager', 0):<12}  {pad:4.1f}")
+        # Mixed graphs may differ from eager by at most twice what decode graphs already do (bf16); the 80b
+        # graphs-vs-decode comparison (MoE routing over 512 experts flips on bf16 noise) gets twice the bound.
+        base = summary.get(name.replace("graphs", "decode") + " vs " + ref_name, {}).get("max_dlogprob", 0.0)
+        tol = max(TOL[dtype], 2 * base) if r["mode"] == "graphs" else TOL[dtype]
+        if ref_name.endswith("decode"):
+            tol *= 2
+        c = compare(r["outputs"], ref["outputs"], max(TIE[dtype], tol))
+        summary[f"{name} vs {ref_name}"] = c
+        if c["mismatches"]:
+            failures.append(f"{name}: tokens differ from {ref_name} beyond a near-tie: {c['mismatches'][:5]}")
+        if c["max_dlogprob"] > tol:
+            failures.append(f"{name}: max |d logprob| vs {ref_name} {c['max_dlogprob']:.2e} > {tol:.2e}")
+    for name, r in runs.items():
+        if r["mode"] == "graphs":
+            for part in ("steps_check", "steps_hybrid_bench"):
+                eager = r.get(part, {}).get("mixed_eager", 0) + r.get(part, {}).get("decode_eager", 0)
+                if eager:
+                    failures.append(f"{name}: eager steps ran ({part}): {r[part]}")
+        if not r["all_free"] or not r.get("all_free_after_bench", True):
+            failures.append(f"{name}: KV blocks or state slots leaked")
+    with open(os.path.join(args.out, "graph_check.json"), "w") as f:
+        json.dump({"runs": {n: {k: v for k, v in r.items() if k != "outputs"} for n, r in runs.items()},
+                   "compare": summary, "failures": failures}, f, indent=1)
+    _table(runs)
     for name, c in summary.items():
-        print(f"{name:<28} max|dlogprob| {c['max_dlogprob']:.2e}  full agreement {c['full_agreement']}/"
+        print(f"{name:<44} max|dlogprob| {c['max_dlogprob']:.2e}  full agreement {c['full_agreement']}/"
               f"{c['requests']}  near-tie breaks {c['near_tie_breaks']}  mismatches {len(c['mismatches'])}")
     print("FAIL:\n  " + "\n  ".join(failures) if failures else "ALL CHECKS PASSED")
     sys.exit(1 if failures else 0)

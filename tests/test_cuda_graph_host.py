@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from model_factory import shared_prefix_prompts
 
 from lamina import LLM, SamplingParams
 from lamina.engine.cuda_graph import CudaGraphRunner
@@ -71,9 +72,15 @@ class _Stub(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(1))
 
 
-def test_hybrid_models_get_decode_graphs_only(monkeypatch):
+def test_hybrid_models_get_mixed_graphs_too(monkeypatch):
     cpu = torch.device("cpu")
-    assert CudaGraphRunner(_Stub(), 8, 64, 4, cpu, padding_slot=8, max_num_batched_tokens=64).mixed_sizes == []
+    hybrid = CudaGraphRunner(_Stub(), 8, 64, 4, cpu, padding_slot=8, max_num_batched_tokens=64)
+    assert hybrid.mixed_sizes == [16, 32, 48, 64]
+    assert [(k.tokens, k.seqs, k.decode) for k in hybrid.keys if not k.decode] == \
+        [(16, 9, False), (32, 9, False), (48, 9, False), (64, 9, False)]
+    # every sequence slot of every graph can point at the padding slot; the state pool has 8 + 1 rows
+    assert hybrid.state_slots.shape == (9,) and hybrid.state_slots.eq(8).all()
+    assert not hybrid.inputs.has_initial_state.any()
     assert CudaGraphRunner(_Stub(), 8, 64, 4, cpu, max_num_batched_tokens=64).mixed_sizes == [16, 32, 48, 64]
     assert CudaGraphRunner(_Stub(), 8, 64, 4, cpu, max_num_batched_tokens=64, mixed=False).mixed_sizes == []
     monkeypatch.setenv("LAMINA_MIXED_GRAPHS", "0")
@@ -154,8 +161,8 @@ def hybrid_ckpts(tmp_path_factory, smol_tokenizer):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_padded_body_equals_eager_forward_moe_and_hybrid(hybrid_ckpts, family, one_thread):
-    """MoE with attention only: every step through the padded body. Hybrid (gated delta net): decode steps
-    through it (padded rows on the state pool's padding slot), mixed steps eager."""
+    """MoE with attention only, and hybrid (gated delta net): every step through the padded body (hybrid:
+    padded rows on the state pool's padding slot, which alone may change)."""
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)] * 6
     kw = {"max_num_batched_tokens": 32, "max_num_seqs": 6, "async_scheduling": True}
     want = _llm(hybrid_ckpts[family], **kw).generate(_prompts(6, seed=1), params, use_tqdm=False)
@@ -168,6 +175,31 @@ def test_padded_body_equals_eager_forward_moe_and_hybrid(hybrid_ckpts, family, o
     assert graphs.worst < 1e-4, graphs.worst
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     kinds = {k.decode for _, k in graphs.used}
-    assert kinds == ({True} if pad is not None else {True, False})
+    assert kinds == {True, False}
     assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
     assert pad is None or eng.state_pool.num_free == eng.state_pool.num_slots
+
+
+def test_hybrid_prefix_cache_through_padded_body(hybrid_ckpts, one_thread):
+    """Prefix caching on a hybrid model with every step through the padded graph body: snapshot steps (chunks
+    cut at snapshot positions) and steps after a restore give the cache-off tokens, snapshots hit, and every
+    block, slot and snapshot row comes back."""
+    prompts = shared_prefix_prompts(3, per_group=3, prefix_len=26)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = {"max_num_batched_tokens": 32, "max_num_seqs": 6}
+    want = _llm(hybrid_ckpts["qwen3_next"], enable_prefix_caching=False, **kw).generate(prompts, params,
+                                                                                        use_tqdm=False)
+    llm = _llm(hybrid_ckpts["qwen3_next"], enable_prefix_caching=True, state_snapshot_interval=8, **kw)
+    eng = llm.engine
+    eng.runner.graphs = graphs = CheckedGraphs(eng.model, 6, eng.max_model_len, 4, eng.device,
+                                               eng.state_pool.padding_slot, max_num_batched_tokens=32,
+                                               state_pool=eng.state_pool)
+    for _ in range(2):  # the second round finds every prefix cached
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert graphs.worst < 1e-4 and {k.decode for _, k in graphs.used} == {True, False}
+    assert eng.stats().num_snapshot_hits > 0
+    snaps = eng.snapshots
+    assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.groups
+    assert eng.state_pool.num_free == eng.state_pool.num_slots
+    assert snaps.num_used + snaps.num_free == snaps.num_snapshots

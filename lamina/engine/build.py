@@ -119,7 +119,7 @@ def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: Mode
 
 def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: int,
                  state_pool: StatePool | None, device: torch.device):
-    """Captured CUDA graphs (decode steps, and mixed steps of attention-only models), or None (CPU,
+    """Captured CUDA graphs (decode steps and mixed prefill+decode steps), or None (CPU,
     enforce_eager, or state layers without the Triton kernels: the torch references build index tensors from
     host lists, which a graph cannot replay)."""
     if device.type != "cuda" or config.enforce_eager or (state_pool is not None and not triton_available()):

@@ -1,4 +1,4 @@
-"""CUDA graphs for every step of an attention-only model, and for the decode steps of hybrid models.
+"""CUDA graphs for every step: attention-only and hybrid (gated delta net) models alike.
 
 A step of a small model is hundreds of short kernel launches; replaying a captured graph removes the launch
 overhead. Which graph a step replays is graph_keys.choose_key: decode-only steps by padded batch size, other
@@ -12,8 +12,11 @@ Memory: every graph shares one private pool, captured largest first so smaller g
 outputs are views of the one hidden-state buffer, so the pool is about one largest step's activations
 (~0.25 GB at 8,192 tokens for the Qwen3-0.6B shape) plus the buffers.
 
-Hybrid models (gated delta net layers) replay decode graphs only: their prefill kernels plan chunks from
-host-side query lengths (CUDA_GRAPHS.md says what capturing them needs), so their mixed steps stay eager.
+Hybrid models (gated delta net + attention layers, a state pool): the same keys. A decode graph runs the
+recurrent decode kernel, a mixed graph the chunked kernels over all its rows (decode rows as one-token
+chunks), whose chunk table and conv1d token blocks are built on the device from the padded query starts;
+padded sequences use the state pool's padding slot (graph_inputs.py). State snapshots for prefix caching are
+copies enqueued after the replay, as after an eager step. CUDA_GRAPHS.md has the details.
 """
 from __future__ import annotations
 
@@ -55,16 +58,16 @@ class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, padding_slot: int | None = None, max_num_batched_tokens: int | None = None,
                  mixed: bool | None = None, tokens_per_octave: int = 8) -> None:
-        """max_num_batched_tokens: the largest step; None or mixed=False capture decode graphs only (as do
-        hybrid models, padding_slot set). mixed=None reads mixed_graphs_enabled()."""
+        """max_num_batched_tokens: the largest step; None or mixed=False capture decode graphs only.
+        padding_slot: the state pool's padding slot (hybrid models; None without a state pool).
+        mixed=None reads mixed_graphs_enabled()."""
         self.model, self.device = model, device
         self.padding_slot = padding_slot
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         mixed = mixed_graphs_enabled() if mixed is None else mixed
         self.decode_sizes = decode_batch_sizes(max_num_seqs)
-        # Mixed graphs need the Triton attention (the torch reference plans from host query lengths).
-        on = bool(mixed and max_num_batched_tokens and padding_slot is None) and \
-            (device.type != "cuda" or triton_available())
+        # Mixed graphs need the Triton kernels (the torch references plan from host query lengths).
+        on = bool(mixed and max_num_batched_tokens) and (device.type != "cuda" or triton_available())
         self.mixed_sizes = mixed_token_sizes(min(max_num_batched_tokens, MAX_GRAPH_TOKENS), tokens_per_octave) \
             if on else []
         self.keys = graph_keys(self.decode_sizes, self.mixed_sizes, max_num_seqs)

@@ -11,6 +11,11 @@ writes the padding:
   programs numbered past the used sequences exit at once.
 Padded rows thus come out of attention as zeros and stay finite through every row-wise layer; nothing reads
 them afterwards (the runner samples real rows only).
+- hybrid models (a state pool): every padded sequence slot (the padding rows' sequence and the empty slots of a
+  mixed graph, the padded sequences of a decode graph) points at the pool's padding slot, which no sequence
+  ever leases, with has_initial_state False: its state is never read (a padded row computes from zeros, so
+  whatever earlier padding left there cannot grow into inf/NaN across replays) and only that slot is written.
+  Empty slots (query length 0) write nothing at all.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ class GraphInputs:
         self.state_slots = self.has_initial_state = None
         if padding_slot is not None:  # hybrid models: padded rows use the state pool's padding slot
             self.state_slots = torch.full((max_seqs,), padding_slot, dtype=torch.long, **kw)
-            self.has_initial_state = torch.ones(max_seqs, dtype=torch.bool, **kw)
+            self.has_initial_state = torch.zeros(max_seqs, dtype=torch.bool, **kw)
 
     @property
     def max_tokens(self) -> int:
@@ -65,8 +70,7 @@ class GraphInputs:
         meta = batch.ctx.attn
         return (key.tokens <= self.max_tokens and key.seqs <= self.max_seqs
                 and meta.block_tables.shape[1] <= self.max_blocks
-                and (batch.ctx.state is None) == (self.state_slots is None)
-                and (key.decode or self.state_slots is None))
+                and (batch.ctx.state is None) == (self.state_slots is None))
 
     def load(self, batch, key: GraphKey) -> None:
         """Copies a step's batch (a runner ForwardBatch) into the buffers and writes key's padding.
@@ -92,7 +96,7 @@ class GraphInputs:
             self.state_slots[:b].copy_(state.slots, **nb)
             self.state_slots[b:bp].fill_(self.padding_slot)
             self.has_initial_state[:b].copy_(state.has_initial_state, **nb)
-            self.has_initial_state[b:bp].fill_(True)
+            self.has_initial_state[b:bp].fill_(False)
 
     def reset(self, key: GraphKey) -> None:
         """A batch of padding only (what warm-up and capture run on): no KV writes, zeros out of attention."""
@@ -105,6 +109,7 @@ class GraphInputs:
             self.num_seqs.fill_(1)
         if self.state_slots is not None:
             self.state_slots[:bp].fill_(self.padding_slot)
+            self.has_initial_state[:bp].fill_(False)
 
     def context(self, key: GraphKey, max_model_len: int, exact_host: bool = False) -> StepContext:
         """The step context (attention + state metadata) a graph of `key` is captured with. Its host fields
@@ -127,6 +132,7 @@ class GraphInputs:
         state = None
         if self.state_slots is not None:
             slots, init = self.state_slots[:bp], self.has_initial_state[:bp]
+            # Not exact: placeholders no GPU kernel reads (they take slots and flags from the device tensors).
             state = StateMetadata(slots, init, slots.tolist() if exact_host else [self.padding_slot] * bp,
-                                  init.tolist() if exact_host else [True] * bp)
+                                  init.tolist() if exact_host else [False] * bp)
         return StepContext(meta, state)

@@ -1,8 +1,8 @@
 """Which CUDA graphs exist and which one a step replays: pure functions of sizes, no CUDA needed.
 
 A decode-only step (every sequence computes one token) replays the decode graph of the smallest captured
-batch size >= its sequence count. Any other step of an attention-only model (prefill chunks, possibly with
-decode rows) replays the mixed graph of the smallest captured token count >= its token count; that graph's
+batch size >= its sequence count. Any other step (prefill chunks, possibly with decode rows; attention-only
+and hybrid models alike) replays the mixed graph of the smallest captured token count >= its token count; its
 batch has min(tokens, max_num_seqs + 1) sequence slots, one more than the step can use, for the sequence the
 padding tokens belong to. So a mixed step's key depends on its token count alone, and its padding waste is
 bounded by the ladder's spacing.

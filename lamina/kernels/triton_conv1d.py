@@ -6,10 +6,14 @@ query_start[b]..query_start[b+1] and convolves over (state | chunk), state = con
 (oldest first; zeros where has_initial_state[b] is False, and that slot is then never read).
 
 Design
-- One kernel for prefill, chunked prefill, decode and mixed batches. Grid (B, cdiv(max_query_len, BLOCK_T),
-  cdiv(C, BLOCK_C)) from host ints only; a program whose token block starts past its sequence's length
-  exits, so one grid serves any lengths (CUDA-graph safe; no per-batch int reaches the kernel at all, the
-  lengths, slots and flags are read on the device).
+- One kernel for prefill, chunked prefill, decode and mixed batches. Decode (max_query_len 1): grid
+  (B, 1, cdiv(C, BLOCK_C)), one program per sequence. Otherwise the token blocks are numbered across the
+  batch, sequence b's from query_start[b] // BLOCK_T + b, grid (T // BLOCK_T + B, 1, cdiv(C, BLOCK_C)), and
+  a program finds its sequence by binary search over query_start; block numbers past a sequence's last
+  block (and empty sequences) exit. Grids come from shapes and BLOCK_T, lengths, slots and flags are read
+  on the device: CUDA-graph safe, and a graph's padded batch (T_pad rows, S slots) launches about
+  T_pad / 32 + S programs per channel block. The only per-batch int argument, B, is not specialised on.
+  Chunks of at most K-1 tokens (decode rows of a mixed batch) skip the main tile at run time.
 - A program computes a [BLOCK_T, BLOCK_C] output tile in fp32 as K shifted (row-offset) loads of x times
   a weight column; the shifted loads overlap and mostly hit L1/L2, so DRAM sees about (1 + (K-1)/BLOCK_T)
   reads of x. Output rows 0..K-2 of a chunk reach back into the old state: when a state may be read,
@@ -34,16 +38,32 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _conv1d_varlen_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, qs_ptr, slot_ptr, init_ptr, out_ptr,
-                          C, stride_x, stride_o, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
+                          C, num_seqs, stride_x, stride_o, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
                           K: tl.constexpr, KP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_C: tl.constexpr,
                           HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT: tl.constexpr,
-                          SKIP_MAIN: tl.constexpr, SILU: tl.constexpr):
-    b = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    start = tl.load(qs_ptr + b)
+                          SKIP_MAIN: tl.constexpr, SILU: tl.constexpr, TILED: tl.constexpr):
+    if TILED:
+        # Sequence b's token blocks are numbered from query_start[b] // BLOCK_T + b (monotone in b, at most
+        # T // BLOCK_T + B in all, so the grid comes from shapes): a binary search finds b.
+        tile = tl.program_id(0)
+        lo: tl.int32 = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(qs_ptr + mid) // BLOCK_T + mid <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        b = lo - 1
+        start = tl.load(qs_ptr + b)
+        pid_t = tile - (start // BLOCK_T + b)
+    else:
+        b = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        start = tl.load(qs_ptr + b)
     length = tl.load(qs_ptr + b + 1) - start
     t0 = pid_t * BLOCK_T
     if t0 >= length:  # past this sequence's chunk (or an empty row of a padded batch)
@@ -85,7 +105,12 @@ def _conv1d_varlen_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, qs_ptr, slot_ptr, i
             hm = ((r < K - 1) & (r < length))[:, None] & cmask[None, :]
             tl.store(out_ptr + (start + r)[:, None] * stride_o + cols[None, :], head.to(out_ptr.dtype.element_ty),
                      mask=hm)
+    # A chunk of at most K-1 tokens is all head tile (decode rows of a mixed batch): no main tile.
     if not SKIP_MAIN:
+        main = (pid_t > 0) | (length > K - 1) | (not HAS_INIT)
+    else:
+        main = False
+    if main:
         acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32) + bias[None, :]
         for j in tl.static_range(K):
             w = tl.load(w_ptr + cols * stride_wc + j * stride_wk, mask=cmask, other=0.0).to(tl.float32)
@@ -173,12 +198,16 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
     else:
         init = query_start
     assert query_start.stride(0) == 1 and (not has_state or state_slots.stride(0) == 1)
-    grid = (b, triton.cdiv(max_query_len, bt), triton.cdiv(c, bc))
+    # One token per sequence (decode): one program per sequence. Longer chunks: token blocks numbered across
+    # the batch (grid from T and B only, so a CUDA graph's padded batch launches T_pad // BLOCK_T + S programs,
+    # not S * T_pad / BLOCK_T of which all but a few would exit).
+    tiled = max_query_len > 1
+    grid = (t // bt + b, 1, triton.cdiv(c, bc)) if tiled else (b, 1, triton.cdiv(c, bc))
     kp = triton.next_power_of_2(k - 1)
     _conv1d_varlen_kernel[grid](
         x, weight, bias if bias is not None else weight, state, query_start, slots, init, out,
-        c, x.stride(0), out.stride(0), weight.stride(0), weight.stride(1), ss[0], ss[1], ss[2],
+        c, b, x.stride(0), out.stride(0), weight.stride(0), weight.stride(1), ss[0], ss[1], ss[2],
         K=k, KP=kp, HP=min(kp, bt), BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
-        HAS_STATE=has_state, HAS_INIT=has_init, SKIP_MAIN=has_init and bt <= k - 1 and grid[1] == 1,
-        SILU=activation is not None, num_warps=warps)
+        HAS_STATE=has_state, HAS_INIT=has_init, SKIP_MAIN=has_init and bt <= k - 1 and not tiled,
+        SILU=activation is not None, TILED=tiled, num_warps=warps)
     return out

@@ -1,6 +1,8 @@
-"""GPU gated delta rule for one step: the fused recurrent kernel when every sequence brings one token (decode,
-the CUDA-graphed case), else the chunked kernels over the whole flat batch (prefill, chunked prefill, and
-mixed batches, whose one-token rows are simply one-token sequences there)."""
+"""GPU gated delta rule for one step: the fused recurrent kernel when every sequence brings one token (decode),
+else the chunked kernels over the whole flat batch (prefill, chunked prefill, and mixed batches, whose one-token
+rows are simply one-token sequences there). The choice reads max_query_len, which a CUDA graph's metadata fixes
+per key (1 for decode graphs, the padded token count for mixed ones), so each graph has one path; both paths
+read only device tensors."""
 from __future__ import annotations
 
 import torch
@@ -22,5 +24,5 @@ def gated_delta_rule_varlen_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if attn.max_query_len == 1:
         return gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, slots, has_init, use_qk_l2norm)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
-    return chunk_gated_delta_varlen_triton(q, k, v, g, beta, ssm_states, attn.query_start, attn.query_start_cpu,
-                                           slots, has_init, use_qk_l2norm)
+    return chunk_gated_delta_varlen_triton(q, k, v, g, beta, ssm_states, attn.query_start, slots, has_init,
+                                           use_qk_l2norm)

@@ -25,9 +25,10 @@ The L2 norms of q and k (x * rsqrt(sum x^2 + 1e-6)) and q's dk^-0.5 are per-toke
 row/column factors of the fp32 results (A, ek, w's and P's factors): raw q/k tiles from the input views feed the
 dots, and nothing is normalised into a copy. Dots take input-dtype operands (bf16/fp16) with fp32 accumulation,
 exact fp32 ("ieee") for fp32 inputs; operands rounded to the input dtype: w, u, v_new, the h snapshots, and
-T / P / h before their dots (fla rounds at the same places). Chunk tables (chunk -> start, end; seq -> first
-chunk) come from query_start_cpu in one pinned non-blocking copy (prefill is not CUDA-graphed; no device->host
-sync). Scratch: w, u, v_new [T, Hv, d] and h snapshots [chunks, Hv, dk, dv] in the input dtype, gc/ek [Hv, T]
+T / P / h before their dots (fla rounds at the same places). The chunk table (chunk -> start, end; seq -> first
+chunk) is built on the device from query_start (triton_gdn_chunk_table.py), its size and every grid from the
+shapes T and B only, so mixed prefill+decode steps are CUDA-graph captured (no host list, no sync).
+Scratch: w, u, v_new [T, Hv, d] and h snapshots [chunks, Hv, dk, dv] in the input dtype, gc/ek [Hv, T]
 fp32 (a 16k-token Qwen3-Next prompt: 268 MB of snapshots, 134 MB each for w, u, v_new).
 
 Two numbers, 16k tokens, Hk=16, Hv=32, dk=dv=128, bf16 (not measured yet): about 1.9 GB through HBM (prep 0.47,
@@ -53,6 +54,8 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+
+from lamina.kernels.triton_gdn_chunk_table import chunk_table_device
 
 BT = 64  # chunk size (the reference's CHUNK_SIZE); the kernels hard-code 64-row tiles
 
@@ -122,6 +125,8 @@ def _prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, gc_ptr, ek_ptr, tab_p
     h = tl.program_id(1)
     s0 = tl.load(tab_ptr + c)
     e0 = tl.load(tab_ptr + n_chunks + c)
+    if e0 <= s0:  # an index no chunk owns (the table is sized from shapes, see triton_gdn_chunk_table.py)
+        return
     DT = w_ptr.dtype.element_ty
     o = tl.arange(0, 64)
     rows = s0 + o
@@ -256,6 +261,8 @@ def _output_kernel(q_ptr, k_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, tab_ptr, n_chunk
     iv = tl.program_id(2)
     s0 = tl.load(tab_ptr + c)
     e0 = tl.load(tab_ptr + n_chunks + c)
+    if e0 <= s0:  # an index no chunk owns
+        return
     DT = hs_ptr.dtype.element_ty
     o = tl.arange(0, 64)
     rows = s0 + o
@@ -306,43 +313,34 @@ def _output_kernel(q_ptr, k_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, tab_ptr, n_chunk
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _chunk_table(query_start_cpu: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
-    """int32 [2 * n_chunks + B]: chunk starts, chunk ends (exclusive), each sequence's first chunk index."""
-    starts, ends, first = [], [], []
-    for b in range(len(query_start_cpu) - 1):
-        s, e = query_start_cpu[b], query_start_cpu[b + 1]
-        first.append(len(starts))
-        for t in range(s, e, BT):
-            starts.append(t)
-            ends.append(min(t + BT, e))
-    host = torch.tensor(starts + ends + first, dtype=torch.int32, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True), len(starts)
-
-
 def chunk_gated_delta_varlen_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                     beta: torch.Tensor, ssm_states: torch.Tensor | None, query_start: torch.Tensor,
-                                    query_start_cpu: list[int], state_slots: torch.Tensor | None,
-                                    has_initial_state: torch.Tensor | None, use_qk_l2norm: bool = True, *,
+                                    state_slots: torch.Tensor | None, has_initial_state: torch.Tensor | None,
+                                    use_qk_l2norm: bool = True, *,
                                     tune: dict[str, int | str] | None = None) -> torch.Tensor:
     """q, k [T, Hk, dk]; v [T, Hv, dv]; g [T, Hv] fp32 (per-token log decay); beta [T, Hv] -> out [T, Hv, dv].
 
-    ssm_states [S, Hv, dk, dv] fp32 (None: zero initial states, nothing written); state_slots [B] int64;
-    has_initial_state [B] bool (None: every sequence starts from zeros). `tune` overrides fields of Tiles.
+    query_start [B + 1] int32 on the device, query_start[B] == T (the only per-step input: everything the host
+    decides comes from shapes, so the call can be captured in a CUDA graph and replayed with other lengths;
+    sequences of length 0 are allowed). ssm_states [S, Hv, dk, dv] fp32 (None: zero initial states, nothing
+    written); state_slots [B] int64; has_initial_state [B] bool (None: every sequence starts from zeros).
+    `tune` overrides fields of Tiles.
     """
+    assert isinstance(query_start, torch.Tensor) and (state_slots is None or isinstance(state_slots, torch.Tensor))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     assert hv % hk == 0 and q.shape == k.shape and g.shape == (t, hv) and beta.shape == (t, hv)
     dt = q.dtype
     out = torch.empty(t, hv, dv, dtype=dt, device=q.device)
-    b = len(query_start_cpu) - 1
+    b = query_start.shape[0] - 1
     if t == 0 or b == 0:
         return out
     if v.dtype != dt:
         v = v.to(dt)
     if k.dtype != dt:
         k = k.to(dt)
-    tab, nc = _chunk_table(query_start_cpu, q.device)
+    tab, nc = chunk_table_device(query_start, t)
     # 16-bit: no tile dimension below 32 (masked past dk / dv). With 16-wide head dims (the tiny test models)
     # the kernels hit illegal addresses on the H200 (Triton 3.6); 32 and up ran clean.
     lo = 1 if dt == torch.float32 else 32

@@ -59,7 +59,7 @@ CONV_CASES = {
 }
 
 
-def run_conv_case(lens, init, c, k, has_bias, tiles, dtype, seed, use_pool=True):
+def run_conv_case(lens, init, c, k, has_bias, tiles, dtype, seed, use_pool=True, max_query_len=None):
     from lamina.kernels.triton_conv1d import causal_conv1d_varlen_triton
 
     gen = torch.Generator().manual_seed(seed)
@@ -79,8 +79,8 @@ def run_conv_case(lens, init, c, k, has_bias, tiles, dtype, seed, use_pool=True)
     out = torch.full((qs[-1], c), float("nan"), dtype=dtype, device=DEV)
     res = causal_conv1d_varlen_triton(
         x, w, bias, pool, torch.tensor(qs, dtype=torch.int32, device=DEV),
-        torch.tensor(slots, device=DEV) if use_pool else None, torch.tensor(init, device=DEV), max(lens),
-        "silu", out=out, block_t=tiles[0], block_c=tiles[1])
+        torch.tensor(slots, device=DEV) if use_pool else None, torch.tensor(init, device=DEV),
+        max_query_len or max(lens), "silu", out=out, block_t=tiles[0], block_c=tiles[1])
     assert res.data_ptr() == out.data_ptr()
     assert rel_err(out, oracle) < TOL[dtype], rel_err(out, oracle)
     if use_pool:
@@ -94,6 +94,17 @@ def run_conv_case(lens, init, c, k, has_bias, tiles, dtype, seed, use_pool=True)
 def test_conv1d_varlen(case, dtype):
     lens, init, c, k, has_bias, tiles = CONV_CASES[case]
     run_conv_case(lens, init, c, k, has_bias, tiles, dtype, seed=len(case))
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=dt_id)
+@pytest.mark.parametrize("tiles", [(None, None), (4, 16)])
+def test_conv1d_graph_padded_batch(dtype, tiles):
+    # A CUDA graph's batch: max_query_len is the padded token count (not the longest chunk); decode rows, a
+    # chunk, the padding sequence owning the tail rows (fresh), then empty slots. Empty slots write nothing.
+    lens = [1, 1, 37, 1, 5, 3, 0, 0, 0]
+    init = [True, True, False, True, True, False, True, False, True]
+    run_conv_case(lens, init, 40, 4, True, tiles, dtype, seed=21, max_query_len=64)
+    run_conv_case([0, 16, 0], [True, True, False], 24, 4, False, tiles, dtype, seed=22, max_query_len=16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2], ids=dt_id)

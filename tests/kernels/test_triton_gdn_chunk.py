@@ -61,7 +61,7 @@ def run_case(lens, hk, hv, dk, dv, dtype, seed, *, pool=True, init=None, strided
     oracle = gated_delta_rule_varlen_ref(q.float(), k.float(), v.float(), g.float(), beta.float(), ssm_ref, qs, slots,
                                          init, l2norm)
     out = chunk_gated_delta_varlen_triton(q, k, v, g, beta, ssm, torch.tensor(qs, dtype=torch.int32, device=DEV),
-                                          qs, slots_t, init_t, l2norm)
+                                          slots_t, init_t, l2norm)
     assert out.dtype == dtype and out.shape == v.shape
     tol = tol or TOL[dtype]
     err = rel_err(out, oracle)
@@ -71,8 +71,11 @@ def run_case(lens, hk, hv, dk, dv, dtype, seed, *, pool=True, init=None, strided
         owned[slots] = True
         other = ssm[~owned.to(DEV)]
         assert other.isnan().all(), "a slot outside the batch was written"
-        st_err = rel_err(ssm[slots_t], ssm_ref[slots_t])
+        live = slots_t[torch.tensor(lens, device=DEV) > 0]
+        st_err = rel_err(ssm[live], ssm_ref[live])
         assert st_err < tol, ("state", st_err)
+        empty = slots_t[torch.tensor(lens, device=DEV) == 0]  # untouched: equal to what they held (NaN or not)
+        assert torch.equal(ssm[empty].nan_to_num(7.0), ssm_ref[empty].nan_to_num(7.0))
     return err
 
 
@@ -103,6 +106,16 @@ def test_strided_views_no_pool(dtype):
     run_case([70, 1, 33], 2, 4, 32, 16, dtype, seed=4, pool=False, strided=True, beta_fp32=True)
 
 
+@pytest.mark.parametrize("dtype", small_dtypes()[:2], ids=_ids)
+def test_empty_sequences_as_in_a_padded_graph_batch(dtype):
+    # A CUDA graph's batch: the step's sequences (decode rows among them), a padding sequence owning the tail
+    # rows, then empty slots (length 0): the empty ones must compute and write nothing (their slots keep their
+    # contents), and the chunk grids sized from T // 64 + B leave unused indices idle.
+    run_case([1, 70, 1, 1, 9, 0, 0, 0], 1, 2, 16, 16, dtype, seed=12,
+             init=[True, False, True, True, False, True, True, False])
+    run_case([0, 64, 0, 1], 1, 2, 16, 16, dtype, seed=13, init=[True, True, False, True])
+
+
 def test_without_l2norm_and_decode_only_batch():
     # no normalisation when asked not to (q is still scaled by dk^-0.5); a batch of decode rows only
     run_case([5, 90], 1, 2, 16, 16, torch.float32, seed=5, l2norm=False, init=[True, True])
@@ -131,6 +144,6 @@ def test_cuda_state_tiles(bv):
 
     q, k, v, g, beta, qs, _ = make_batch([300, 1, 77], 2, 4, 128, 128, torch.bfloat16, seed=9)
     ref = gated_delta_rule_varlen_ref(q.float(), k.float(), v.float(), g, beta.float(), None, qs, None, [False] * 3)
-    out = chunk_gated_delta_varlen_triton(q, k, v, g, beta, None, torch.tensor(qs, dtype=torch.int32, device=DEV), qs,
+    out = chunk_gated_delta_varlen_triton(q, k, v, g, beta, None, torch.tensor(qs, dtype=torch.int32, device=DEV),
                                           None, None, tune={"state_bv": bv, "state_warps": 8 if bv == 64 else 4})
     assert rel_err(out, ref) < TOL[torch.bfloat16]
