@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lamina import LLM, SamplingParams
-from lamina.engine.stop import _held_back, apply_stop_strings
+from lamina.engine.stop import find_stop, held_back
 from lamina.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, SamplingParamsError
 
 
@@ -118,40 +118,28 @@ def test_held_back_matches_the_plain_definition():
     for _ in range(5000):
         text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
         stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
-        assert _held_back(text, stops) == _ref_held_back(text, stops), (text, stops)
-
-
-class _Detok:
-    def __init__(self) -> None:
-        self.text = ""
-
-
-class _Seq:
-    def __init__(self, params: SamplingParams) -> None:
-        self.params, self.detok, self.text = params, _Detok(), ""
-        self.finish_reason = self.stop_reason = None
-        self.num_output_tokens = 0
+        assert held_back(text, stops) == _ref_held_back(text, stops), (text, stops)
 
 
 def test_stop_strings_cost_does_not_grow_with_the_text():
     """Many long stop strings: each new piece of text costs about the same however long the output is."""
     rng = random.Random(1)
     stops = ["".join(rng.choice("abcdefgh") for _ in range(MAX_STOP_STRING_LEN)) for _ in range(MAX_STOP_STRINGS)]
-    seq = _Seq(SamplingParams(stop=stops))
+    text = ""
 
     def per_piece(n_pieces: int) -> float:
+        nonlocal text
         start = time.perf_counter()
         for _ in range(n_pieces):
             piece = "".join(rng.choice("abcdefgh ") for _ in range(4))
-            seq.detok.text += piece
-            seq.num_output_tokens += 1
-            apply_stop_strings(seq, len(piece))
+            text += piece
+            assert find_stop(text, len(piece), stops) is None
+            held_back(text, stops)
         return (time.perf_counter() - start) / n_pieces
 
     early = per_piece(300)
     late = per_piece(3000)
-    assert seq.finish_reason is None
     assert late < 5 * early + 1e-4, (early, late)
-    seq.detok.text += stops[3]
-    apply_stop_strings(seq, len(stops[3]))
-    assert seq.finish_reason == "stop" and seq.stop_reason == stops[3] and not seq.text.endswith(stops[3][:10])
+    before = len(text)
+    text += stops[3]
+    assert find_stop(text, len(stops[3]), stops) == (before, stops[3])
