@@ -143,3 +143,30 @@ def test_stop_strings_cost_does_not_grow_with_the_text():
     before = len(text)
     text += stops[3]
     assert find_stop(text, len(stops[3]), stops) == (before, stops[3])
+
+
+def test_small_request_gets_blocks_from_a_stream_holding_the_pool(checkpoints):
+    """A small pool, one n=32 stream that could hold every block, then a 4-token request: the small one is
+    admitted within a few steps by preempting the big one's newest sequences (it is over its fair share),
+    and finishes long before the stream; the stream's outputs are unchanged and every block comes back."""
+    llm = make(checkpoints["llama"], num_kv_blocks=64)
+    eng = llm.engine
+    big = SamplingParams(n=32, temperature=0, max_tokens=48, ignore_eos=True)
+    ref = llm.generate({"prompt_token_ids": [11, 12, 13]}, SamplingParams(temperature=0, max_tokens=48,
+                                                                           ignore_eos=True), use_tqdm=False)[0]
+    eng.add_request("huge", {"prompt_token_ids": [11, 12, 13]}, big)
+    for _ in range(12):
+        eng.step()
+    assert eng.allocator.num_free < 4, "the stream should hold (nearly) the whole pool by now"
+    eng.add_request("small", {"prompt_token_ids": [21, 22, 23, 24]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = 0
+    outs: dict[str, object] = {}
+    while "small" not in outs:
+        steps += 1
+        assert steps <= 12, "the small request was not served promptly"
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert "huge" not in outs and len(outs["small"].outputs[0].token_ids) == 4
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert all(c.token_ids == ref.outputs[0].token_ids for c in outs["huge"].outputs)
+    assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.scheduler.running
