@@ -22,30 +22,29 @@ def add_chat_parser(sub) -> None:
     p.set_defaults(func=cmd_chat)
 
 
-def stream_reply(engine, request_id: str, prompt_ids: list[int], params, out=sys.stdout) -> str:
+def stream_reply(llm, request_id: str, prompt_ids: list[int], params, out=sys.stdout) -> str:
     """Runs one request to completion, writing its text as it grows; returns the whole text. On Ctrl-C the
     request is aborted and the text so far is returned (the interrupt does not propagate)."""
-    engine.stream_outputs = True
-    engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
     shown = 0
     text = ""
+    replies = llm.stream({"prompt_token_ids": prompt_ids}, params, request_id)
     try:
-        while True:
-            for res in engine.step():
-                if res.request_id != request_id:
-                    continue
-                text = res.outputs[0].text
-                out.write(text[shown:])
-                out.flush()
-                shown = len(text)
-                if res.finished:
-                    out.write("\n")
-                    return text
+        for res in replies:
+            text = res.outputs[0].text
+            out.write(text[shown:])
+            out.flush()
+            shown = len(text)
+            if res.finished:
+                out.write("\n")
+                return text
     except KeyboardInterrupt:
-        engine.abort_request(request_id)
+        replies.close()  # aborts the request
         out.write(" [interrupted]\n")
         out.flush()
         return text
+    finally:
+        replies.close()
+    return text
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -78,7 +77,7 @@ def _converse(llm, params, messages: list[dict], system: str | None) -> None:
         messages.append({"role": "user", "content": line})
         try:
             ids = chat_prompt_ids(llm.engine.tokenizer, messages)
-            reply = stream_reply(llm.engine, f"chat-{turn}", ids, params)
+            reply = stream_reply(llm, f"chat-{turn}", ids, params)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             messages.pop()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -11,6 +12,7 @@ from lamina.config import EngineConfig
 from lamina.engine.core import EngineCore
 from lamina.engine.engine import LLMEngine
 from lamina.engine.ipc import IterationStats
+from lamina.engine.output_processor import OutputProcessor
 from lamina.models.loader import DEFAULT_MODEL
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
@@ -24,6 +26,8 @@ class LLM:
         # In-process, but through the same core the server's engine process runs (without its channels);
         # generate() returns finished requests only, so the core does not stream every step's progress.
         self.core = EngineCore(self.engine, stream_outputs=False)
+        # The output side, as behind the server: text, stop strings (same thread as the core: no lock).
+        self.outputs = OutputProcessor(self.engine.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -42,11 +46,54 @@ class LLM:
             for prompt, p in zip(prompts, params_list):
                 rid = f"offline-{next(self._ids)}"
                 self.core.add(rid, prompt, p)
+                self.outputs.add(rid, p)
                 ids.append(rid)
         except Exception:
-            self.core.abort(ids)  # leave the engine as it was: nothing half-queued
+            self._abort(ids)  # leave the engine as it was: nothing half-queued
             raise
         return self._run(ids, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[RequestOutput]:
+        """Runs one request, yielding its output (text so far) after every step that advanced it, the last
+        one finished. Closing the iterator early (or an interrupt) aborts the request."""
+        rid = request_id or f"stream-{next(self._ids)}"
+        params = sampling_params or SamplingParams()
+        self.core.add(rid, prompt, params)
+        self.outputs.add(rid, params)
+        streaming, self.engine.stream_outputs = self.engine.stream_outputs, True
+        finished = False
+        try:
+            while not finished:
+                for out in self._step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            self.engine.stream_outputs = streaming
+            if not finished:
+                self._abort([rid])
+
+    def _step(self) -> list[RequestOutput]:
+        """One core step seen through the output side: text made, stop strings applied, and the samples
+        they end finished in the core at once (their blocks freed before the next step)."""
+        it = IterationStats()
+        raw = self.core.step(it, contain_failures=False)
+        results = []
+        while raw:
+            stops = []
+            for out in raw:
+                shown, cut = self.outputs.process(out)
+                if shown is not None:
+                    results.append(shown)
+                    stops += cut
+            raw = self.core.stop_samples(stops, it) if stops else []
+        return results
+
+    def _abort(self, ids: list[str]) -> None:
+        self.core.abort(ids)
+        for rid in ids:
+            self.outputs.forget(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -54,13 +101,13 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while len(done) < len(ids):
-                for out in self.core.step(IterationStats(), contain_failures=False):
+                for out in self._step():
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
         finally:
             bar.close()
-            self.core.abort(list(wanted - done.keys()))
+            self._abort(list(wanted - done.keys()))
         return [done[rid] for rid in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

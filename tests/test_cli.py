@@ -39,6 +39,6 @@ def test_chat_streams_the_reply(checkpoints):
     llm = LLM(model=str(checkpoints["llama"]), dtype="float32", device="cpu", num_kv_blocks=64, progress=False)
     buf = io.StringIO()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    text = stream_reply(llm.engine, "c0", [5, 6, 7, 8], params, out=buf)
+    text = stream_reply(llm, "c0", [5, 6, 7, 8], params, out=buf)
     assert buf.getvalue() == text + "\n"
     assert text == llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)[0].outputs[0].text

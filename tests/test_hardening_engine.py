@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lamina import LLM, SamplingParams
-from lamina.engine.stop import _held_back, apply_stop_strings
+from lamina.engine.stop import find_stop, held_back
 from lamina.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, SamplingParamsError
 
 
@@ -118,40 +118,55 @@ def test_held_back_matches_the_plain_definition():
     for _ in range(5000):
         text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
         stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
-        assert _held_back(text, stops) == _ref_held_back(text, stops), (text, stops)
-
-
-class _Detok:
-    def __init__(self) -> None:
-        self.text = ""
-
-
-class _Seq:
-    def __init__(self, params: SamplingParams) -> None:
-        self.params, self.detok, self.text = params, _Detok(), ""
-        self.finish_reason = self.stop_reason = None
-        self.num_output_tokens = 0
+        assert held_back(text, stops) == _ref_held_back(text, stops), (text, stops)
 
 
 def test_stop_strings_cost_does_not_grow_with_the_text():
     """Many long stop strings: each new piece of text costs about the same however long the output is."""
     rng = random.Random(1)
     stops = ["".join(rng.choice("abcdefgh") for _ in range(MAX_STOP_STRING_LEN)) for _ in range(MAX_STOP_STRINGS)]
-    seq = _Seq(SamplingParams(stop=stops))
+    text = ""
 
     def per_piece(n_pieces: int) -> float:
+        nonlocal text
         start = time.perf_counter()
         for _ in range(n_pieces):
             piece = "".join(rng.choice("abcdefgh ") for _ in range(4))
-            seq.detok.text += piece
-            seq.num_output_tokens += 1
-            apply_stop_strings(seq, len(piece))
+            text += piece
+            assert find_stop(text, len(piece), stops) is None
+            held_back(text, stops)
         return (time.perf_counter() - start) / n_pieces
 
     early = per_piece(300)
     late = per_piece(3000)
-    assert seq.finish_reason is None
     assert late < 5 * early + 1e-4, (early, late)
-    seq.detok.text += stops[3]
-    apply_stop_strings(seq, len(stops[3]))
-    assert seq.finish_reason == "stop" and seq.stop_reason == stops[3] and not seq.text.endswith(stops[3][:10])
+    before = len(text)
+    text += stops[3]
+    assert find_stop(text, len(stops[3]), stops) == (before, stops[3])
+
+
+def test_small_request_gets_blocks_from_a_stream_holding_the_pool(checkpoints):
+    """A small pool, one n=32 stream that could hold every block, then a 4-token request: the small one is
+    admitted within a few steps by preempting the big one's newest sequences (it is over its fair share),
+    and finishes long before the stream; the stream's outputs are unchanged and every block comes back."""
+    llm = make(checkpoints["llama"], num_kv_blocks=64)
+    eng = llm.engine
+    big = SamplingParams(n=32, temperature=0, max_tokens=48, ignore_eos=True)
+    ref = llm.generate({"prompt_token_ids": [11, 12, 13]}, SamplingParams(temperature=0, max_tokens=48,
+                                                                           ignore_eos=True), use_tqdm=False)[0]
+    eng.add_request("huge", {"prompt_token_ids": [11, 12, 13]}, big)
+    for _ in range(12):
+        eng.step()
+    assert eng.allocator.num_free < 4, "the stream should hold (nearly) the whole pool by now"
+    eng.add_request("small", {"prompt_token_ids": [21, 22, 23, 24]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = 0
+    outs: dict[str, object] = {}
+    while "small" not in outs:
+        steps += 1
+        assert steps <= 12, "the small request was not served promptly"
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert "huge" not in outs and len(outs["small"].outputs[0].token_ids) == 4
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert all(c.token_ids == ref.outputs[0].token_ids for c in outs["huge"].outputs)
+    assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.scheduler.running

@@ -90,3 +90,24 @@ def test_incremental_detokenization_never_breaks_characters(smol_tokenizer):
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == smol_tokenizer.decode(ids)
     assert sum(1 for p in pieces if p == "") > 0  # some tokens were split characters, held back
+
+
+def test_stop_strings_end_samples_and_free_their_blocks(llm):
+    """Offline, through the same output side as the server: each sample is cut at its own stop string, its
+    token ids end at the token that completed it, and nothing is left leased."""
+    full = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0]
+    stop = full.outputs[0].text[10:13]
+    assert stop.strip()
+    out = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True,
+                                              stop=[stop]), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    for ref, comp in zip(full.outputs, out.outputs):
+        if stop not in ref.text:
+            assert comp.text == ref.text and comp.token_ids == ref.token_ids
+            continue
+        assert comp.finish_reason == "stop" and comp.text == ref.text[:ref.text.index(stop)]
+        k = next(k for k in range(1, len(ref.token_ids) + 1) if stop in tok.decode(ref.token_ids[:k]))
+        assert comp.token_ids == ref.token_ids[:k]
+    s = llm.engine.stats()
+    assert not llm.engine.has_unfinished_requests() and s.num_free_blocks == s.num_total_blocks

@@ -8,6 +8,7 @@ differs. The thread variant shares this process's interpreter lock with its call
 """
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 
@@ -97,17 +98,22 @@ class ThreadCore:
 class AsyncEngine(CoreClient):
     def __init__(self, engine: LLMEngine | None = None, observer: EngineObserver | None = None,
                  backend=None) -> None:
-        super().__init__(backend if backend is not None else ThreadCore(engine), observer)
+        # The thread core's engine tokenizes text prompts on its thread: the output side decodes with a copy.
+        super().__init__(backend if backend is not None else ThreadCore(engine), observer,
+                         copy.deepcopy(engine.tokenizer) if engine is not None else None)
         self.engine = engine  # the in-process engine (thread core), None behind a core process
         if engine is not None:
             self.last_stats = engine.stats()
 
     @classmethod
-    def spawn(cls, config: EngineConfig, observer: EngineObserver | None = None, wait: bool = True
-              ) -> AsyncEngine:
+    def spawn(cls, config: EngineConfig, observer: EngineObserver | None = None, wait: bool = True,
+              tokenizer=None) -> AsyncEngine:
         """Starts a core process that loads the model from `config`; with `wait`, returns once it is ready
-        (else call wait_ready). Raises RuntimeError with the core's reason if loading fails."""
+        (else call wait_ready). Raises RuntimeError with the core's reason if loading fails. Outputs are
+        decoded with `tokenizer` (a private copy is kept), or one given later to set_tokenizer."""
         client = cls(None, observer, backend=CoreProcess(config))
+        if tokenizer is not None:
+            client.set_tokenizer(tokenizer)
         client.start(wait=wait)
         return client
 

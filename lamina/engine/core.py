@@ -1,8 +1,10 @@
 """EngineCore: one LLMEngine behind the operations the core loop and offline LLM share.
 
 Adds answer with a verdict (the engine's ValueError, nothing queued) or go in; aborts return the aborted
-requests' final outputs; a step that raises fails the requests in flight and returns their leases, so the
-core keeps serving; every step also yields its IterationStats (token counts and latencies for /metrics).
+requests' final outputs; stop_samples ends samples at the stop strings the output side found; a step that
+raises fails the requests in flight and returns their leases, so the core keeps serving; every step also
+yields its IterationStats (token counts and latencies for /metrics). The core makes no text: outputs carry
+token ids and logprobs, and output_processor.py (in the server process, or offline LLM's loop) decodes.
 Timing is taken here, next to the engine, so the metrics do not include IPC or the server's event loop.
 
 Single-threaded: whoever owns the core (the core process's loop, a test thread, LLM) calls it from one thread.
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lamina.engine.engine import EngineStats, LLMEngine
-from lamina.engine.ipc import FinishedRequest, IterationStats
+from lamina.engine.ipc import FinishedRequest, IterationStats, SampleStop
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
 
@@ -56,6 +58,18 @@ class EngineCore:
             self._trackers.pop(rid, None)
             out = self.engine.abort_request(rid)
             if out is not None:
+                outs.append(out)
+        return outs
+
+    def stop_samples(self, items: list[SampleStop], it: IterationStats) -> list[RequestOutput]:
+        """Ends samples at the stop strings the output side found (their blocks are freed now); returns the
+        outputs of the requests they belong to. Samples that had already ended are left as they were."""
+        outs = []
+        now = time.monotonic()
+        for item in items:
+            out = self.engine.finish_sample(item.request_id, item.index, item.num_tokens, item.stop)
+            if out is not None:
+                self._track(out, now, it)  # a request finished this way counts as finished with "stop"
                 outs.append(out)
         return outs
 

@@ -4,8 +4,11 @@ The client binds both channels (ipc.py), then starts its core (a spawned process
 process for tests and embedding) which connects. Callers on any event loop add requests (awaiting the core's
 verdict: a ValueError for bad input), abort them (idempotent; the stream ends with finish_reason 'abort')
 and iterate their RequestStream. One receiver thread reads the core's messages, rebuilds cumulative outputs
-from the deltas, hands them to the streams (one loop wake-up per message), feeds the observer (metrics) and
-keeps `last_stats`.
+from the deltas, makes their text (output_processor.py: detokenization, stop strings, which it reports back
+to the core as StopSamples so the stopped samples' blocks are freed at once), hands them to the streams (one
+loop wake-up per message), feeds the observer (metrics) and keeps `last_stats`. The assembler and the
+output processor belong to that thread alone (requests join them when their verdict arrives), so the
+text work holds no lock a caller waits on.
 
 If the core dies (its process exits, it reports CoreFailed, or its thread ends) every request in flight fails
 at once with EngineError (a 500), waiting adds with EngineDeadError, and `is_running` turns false (/health
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import itertools
 import logging
@@ -36,10 +40,13 @@ from lamina.engine.ipc import (
     CoreFailed,
     CoreInfo,
     Ready,
+    SampleStop,
     Shutdown,
     StepOutputs,
+    StopSamples,
     Verdicts,
 )
+from lamina.engine.output_processor import OutputProcessor
 from lamina.engine.streams import (
     EngineDeadError,
     EngineError,
@@ -69,7 +76,7 @@ class CoreBackend(Protocol):
 
 
 class CoreClient:
-    def __init__(self, backend: CoreBackend, observer: EngineObserver | None = None) -> None:
+    def __init__(self, backend: CoreBackend, observer: EngineObserver | None = None, tokenizer=None) -> None:
         self.backend = backend
         self.observer = observer
         self.info: CoreInfo | None = None
@@ -78,14 +85,21 @@ class CoreClient:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[str, concurrent.futures.Future] = {}
+        # request id -> (its verdict's future, what the output side needs once it is queued)
+        self._pending: dict[str, tuple[concurrent.futures.Future, SamplingParams, str | None]] = {}
         self._assembler = OutputAssembler()
+        self._processor = OutputProcessor(tokenizer)
         self._ready = threading.Event()
         self._dead: str | None = None  # why the core is gone
         self._closing = False
         self._started = False
         self._ctx: zmq.Context | None = None
         self._receiver: threading.Thread | None = None
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """The tokenizer outputs are decoded with (a private copy: HF fast tokenizers must not be shared
+        across threads). Before the first request; None: token ids only (outputs have empty text)."""
+        self._processor = OutputProcessor(copy.deepcopy(tokenizer))
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float | None = None, wait: bool = True) -> None:
@@ -171,14 +185,12 @@ class CoreClient:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._pending[request_id] = fut
-            self._assembler.start(request_id, prompt if isinstance(prompt, str) else None)
+            self._pending[request_id] = (fut, params, prompt if isinstance(prompt, str) else None)
             try:
                 self._send_locked(data)
             except EngineDeadError:
                 self._streams.pop(request_id, None)
                 self._pending.pop(request_id, None)
-                self._assembler.forget(request_id)
                 raise
         try:
             await asyncio.wrap_future(fut)
@@ -260,11 +272,16 @@ class CoreClient:
         elif isinstance(msg, Verdicts):
             with self._lock:
                 for v in msg.items:
-                    fut = self._pending.pop(v.request_id, None)
+                    pending = self._pending.pop(v.request_id, None)
                     if v.error is not None:
                         self._streams.pop(v.request_id, None)
-                        self._assembler.forget(v.request_id)
-                    if fut is None or not fut.set_running_or_notify_cancel():
+                    if pending is None:
+                        continue
+                    fut, params, prompt = pending
+                    if v.error is None:  # queued in the core, even if its caller gave up meanwhile (it aborts)
+                        self._assembler.start(v.request_id, prompt)
+                        self._processor.add(v.request_id, params)
+                    if not fut.set_running_or_notify_cancel():
                         continue
                     if v.error is None:
                         fut.set_result(None)
@@ -279,16 +296,33 @@ class CoreClient:
 
     def _on_step(self, msg: StepOutputs) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        if self._closing:
+            return
+        results = []
+        stops: list[SampleStop] = []
+        for d in msg.outputs:  # outside the lock: decoding must not hold up callers adding requests
+            raw = self._assembler.apply(d)
+            out, cut = self._processor.process(raw) if raw is not None else (None, [])
+            if out is None:
+                continue
+            stops += cut
+            if out.finished:
+                self._assembler.forget(d.request_id)  # finished here first (a stop string): ignore the rest
+            results.append(out)
         with self._lock:
             if self._closing:
                 return
-            for d in msg.outputs:
-                out = self._assembler.apply(d)
-                stream = self._streams.get(d.request_id)
-                if out is None or stream is None:
+            if stops and self._dead is None:
+                try:
+                    self._send_locked(StopSamples(stops))
+                except EngineDeadError:
+                    pass  # the receiver fails the streams when it sees the core gone
+            for out in results:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
                     continue
                 if out.finished:
-                    del self._streams[d.request_id]
+                    del self._streams[out.request_id]
                 by_loop[stream.loop].append((stream, out))
         for loop, items in by_loop.items():
             deliver(loop, items)
@@ -316,8 +350,9 @@ class CoreClient:
         `waiting`, without the core's help."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for rid, stream in self._streams.items():
-            fut = self._pending.pop(rid, None)
-            if fut is not None:
+            pending = self._pending.pop(rid, None)
+            if pending is not None:
+                fut = pending[0]
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(waiting)
                 continue

@@ -38,6 +38,7 @@ from lamina.engine.ipc import (
     Ready,
     Shutdown,
     StepOutputs,
+    StopSamples,
     Verdict,
     Verdicts,
 )
@@ -82,6 +83,8 @@ class CoreLoop:
                 it.num_added += verdicts[-1].error is None
             elif isinstance(msg, Abort):
                 outs += self.core.abort(msg.request_ids)
+            elif isinstance(msg, StopSamples):
+                outs += self.core.stop_samples(msg.items, it)
             elif isinstance(msg, Shutdown):
                 outs += self.core.fail_all("the engine is shutting down")
                 self._send(StepOutputs(self.step_index, [self.deltas.encode(o) for o in outs], it, self.core.stats()))

@@ -3,7 +3,8 @@
 The engine reports each request's whole output so far on every step; sending that would make a step's
 message grow with every request's length (O(n^2) bytes over a request's life). DeltaEncoder, in the core,
 keeps what it has sent of each request and emits only what is new; OutputAssembler, in the client, rebuilds
-the cumulative RequestOutput the server code consumes. Both drop a request's state when it finishes.
+the cumulative RequestOutput (token ids and logprobs; its text is made by output_processor.py). Both drop a
+request's state when it finishes.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from lamina.outputs import CompletionOutput, RequestOutput
 
 @dataclass
 class _SentSample:
-    text: str = ""
     num_tokens: int = 0
     num_logprobs: int = 0
 
@@ -34,18 +34,13 @@ class DeltaEncoder:
             while len(sent) <= c.index:
                 sent.append(_SentSample())
             s = sent[c.index]
-            # Text normally only grows; a stop string found late may cut it, then the client replaces it.
-            if c.text.startswith(s.text):
-                offset, text = len(s.text), c.text[len(s.text):]
-            else:
-                offset, text = 0, c.text
             lps = None
             if c.logprobs is not None:
                 lps = c.logprobs[s.num_logprobs:]
                 s.num_logprobs = len(c.logprobs)
-            comps.append(CompletionDelta(c.index, offset, text, c.token_ids[s.num_tokens:], lps,
-                                         c.cumulative_logprob, c.finish_reason, c.stop_reason))
-            s.text, s.num_tokens = c.text, len(c.token_ids)
+            comps.append(CompletionDelta(c.index, c.token_ids[s.num_tokens:], lps, c.cumulative_logprob,
+                                         c.finish_reason, c.stop_reason))
+            s.num_tokens = len(c.token_ids)
         if out.finished:
             del self._sent[out.request_id]
         return OutputDelta(out.request_id, out.finished, comps,
@@ -78,6 +73,9 @@ class OutputAssembler:
     def forget(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
 
+    def clear(self) -> None:
+        self._reqs.clear()
+
     def apply(self, d: OutputDelta) -> RequestOutput | None:
         """The request's cumulative output after this delta; None for a request this client does not know."""
         a = self._reqs.get(d.request_id)
@@ -93,9 +91,8 @@ class OutputAssembler:
             lps = old.logprobs
             if c.logprobs is not None:
                 lps = (lps or []) + c.logprobs
-            a.samples[c.index] = CompletionOutput(c.index, old.text[:c.text_offset] + c.text,
-                                                  old.token_ids + c.token_ids, c.cumulative_logprob, lps,
-                                                  c.finish_reason, c.stop_reason)
+            a.samples[c.index] = CompletionOutput(c.index, "", old.token_ids + c.token_ids, c.cumulative_logprob,
+                                                  lps, c.finish_reason, c.stop_reason)
         if d.finished:
             del self._reqs[d.request_id]
         outs = [a.samples[i] for i in sorted(a.samples)]

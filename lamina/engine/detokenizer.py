@@ -50,3 +50,11 @@ class Detokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
+
+
+class DeferredTokenText:
+    """Stands in for a Detokenizer where the core builds logprob entries: their `decoded_token` stays None
+    and the output side (output_processor.py) fills it, so the step loop decodes nothing."""
+
+    def token_text(self, token_id: int) -> None:
+        return None

@@ -1,4 +1,8 @@
-"""LLMEngine: requests in, one scheduled forward per step, tokens and text out.
+"""LLMEngine: requests in, one scheduled forward per step, token ids out.
+
+Text (detokenization, stop strings, logprob token strings) is made on the output side
+(engine/output_processor.py), off the step loop; `finish_sample` is how that side ends a sample at a stop
+string.
 
 Every exit path of a sequence (finish, abort, error) goes through Scheduler.finish, which returns its
 blocks; preemption returns them too and the sequence is recomputed later.
@@ -15,7 +19,7 @@ from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.sliding_window import release_horizon
 from lamina.config import EngineConfig
 from lamina.engine.build import build_graphs, build_pools, load_model_and_tokenizer
-from lamina.engine.detokenizer import Detokenizer, initial_state
+from lamina.engine.detokenizer import DeferredTokenText, initial_state
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
 from lamina.engine.memory import resolve_device, resolve_dtype
@@ -24,7 +28,7 @@ from lamina.engine.runner import ModelRunner
 from lamina.engine.sampler import Sampler
 from lamina.engine.scheduler import ScheduledSeq, Scheduler
 from lamina.engine.startup import StartupTimer
-from lamina.engine.stop import apply_stop_strings, check_token_stop
+from lamina.engine.stop import check_token_stop
 from lamina.engine.warmup import warm_up
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
@@ -78,11 +82,11 @@ class LLMEngine:
             timer.phase("graph capture")
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.detokenizer = DeferredTokenText()  # logprob entries' decoded_token: filled on the output side
         self.groups: dict[str, RequestGroup] = {}
         self._seq_ids = itertools.count()
         # Streaming callers (the server, chat) want every step's progress; offline batch generation only
-        # wants finished requests, which saves building outputs and decoding text on every step.
+        # wants finished requests (and those with stop strings, which the output side matches as they grow).
         self.stream_outputs = True
         self.in_flight: InFlight | None = None  # the launched step whose tokens are not read back yet
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
@@ -154,6 +158,29 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         return self._output(group)
 
+    def finish_sample(self, request_id: str, index: int, num_tokens: int, stop: str) -> RequestOutput | None:
+        """Ends sample `index` of a request after its first `num_tokens` output tokens, on a stop string the
+        output side found: later tokens (and their logprobs) are dropped and its blocks are freed now. Returns
+        the request's output (finished once all its samples are); None for an unknown request or a sample
+        that had already ended."""
+        group = self.groups.get(request_id)
+        if group is None or not 0 <= index < len(group.seqs) or group.seqs[index].finished:
+            return None
+        seq = group.seqs[index]
+        keep = seq.num_prompt_tokens + max(0, num_tokens)
+        del seq.token_ids[keep:]  # with a token still in flight: the finished sequence is skipped when read back
+        if seq.logprobs is not None:
+            del seq.logprobs[keep - seq.num_prompt_tokens:]
+            seq.cumulative_logprob = 0.0
+            for token, entry in zip(seq.output_token_ids, seq.logprobs):
+                seq.cumulative_logprob += entry[token].logprob
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        self.scheduler.finish(seq)
+        out = self._output(group)
+        if group.finished:
+            self.groups.pop(request_id, None)
+        return out
+
     def request_ids(self) -> list[str]:
         """Ids of the requests not finished yet (e.g. to abort them all)."""
         return list(self.groups)
@@ -210,7 +237,7 @@ class LLMEngine:
         outputs = []
         for rid, group in touched.items():
             finished = group.finished
-            if finished or self.stream_outputs:
+            if finished or self.stream_outputs or group.seqs[0].params.stop:
                 outputs.append(self._output(group))
             if finished:
                 self.groups.pop(rid, None)
@@ -319,10 +346,9 @@ class LLMEngine:
             self._accept(seq, idx, tokens, result, row0, now)
 
     def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:
-        """Puts a sequence's new tokens at token_ids[idx:], one at a time with stop checks and text."""
+        """Puts a sequence's new tokens at token_ids[idx:], one at a time with the token stop checks."""
         if seq.first_token_time is None:
             seq.first_token_time = now
-        skip = seq.params.skip_special_tokens
         for j, token in enumerate(tokens):
             pos = idx + j
             seq.token_ids[pos] = token
@@ -330,14 +356,8 @@ class LLMEngine:
                 seq.logprobs.append(sample_logprobs(result, row0 + j, token, self.detokenizer))
                 seq.cumulative_logprob += result.chosen_logprobs[row0 + j]
             check_token_stop(seq, token, pos + 1 - seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
-            new = ""
-            if self.stream_outputs or seq.params.stop:  # else the text is decoded once, at the end
-                new = self.detokenizer.step(seq.detok, seq.token_ids, skip, pos + 1)
             if seq.finish_reason is not None:
                 del seq.token_ids[pos + 1:]  # drop tokens sampled after the stop
-                new += self.detokenizer.flush(seq.detok, seq.token_ids, skip)
-            apply_stop_strings(seq, len(new))
-            if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 return
         self.scheduler.register_computed(seq, idx + len(tokens))
@@ -349,7 +369,7 @@ class LLMEngine:
             if ids and ids[-1] == PENDING:  # the token of the step still in flight is not known yet
                 ids.pop()
             # Copies: a streaming consumer on another thread must not see these lists grow.
-            outs.append(CompletionOutput(s.index, s.text, ids, s.cumulative_logprob if s.logprobs is not None
+            outs.append(CompletionOutput(s.index, "", ids, s.cumulative_logprob if s.logprobs is not None
                                          else None, None if s.logprobs is None else list(s.logprobs),
                                          s.finish_reason, s.stop_reason))
         first = group.seqs[0]

@@ -1,10 +1,11 @@
 """The messages between the API server process and the engine core, and how they travel (ZeroMQ + msgpack).
 
-Two one-way PUSH/PULL channels over ipc:// sockets: the client sends `Add`, `Abort` and `Shutdown` to the
-core; the core sends `Ready` once, then `Verdicts` (one per drained batch of adds), `StepOutputs` (one per
-iteration: every request's progress in that step, plus the iteration's metrics and the engine's stats) and,
-if its loop dies, `CoreFailed`. Outputs are deltas (new tokens, new text, new logprobs): the client keeps
-the cumulative RequestOutput, so a message's size does not grow with how long a request has run.
+Two one-way PUSH/PULL channels over ipc:// sockets: the client sends `Add`, `Abort`, `StopSamples` and
+`Shutdown` to the core; the core sends `Ready` once, then `Verdicts` (one per drained batch of adds),
+`StepOutputs` (one per iteration: every request's progress in that step, plus the iteration's metrics and
+the engine's stats) and, if its loop dies, `CoreFailed`. Outputs are deltas (new token ids and logprobs; no
+text, which the client side makes): the client keeps the cumulative RequestOutput, so a message's size does
+not grow with how long a request has run.
 
 Each message is one frame, a msgpack map tagged with its type; the channel is in order, which is what lets an
 abort sent after an add undo it.
@@ -58,6 +59,20 @@ class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class SampleStop(msgspec.Struct, array_like=True):
+    """The output side found a stop string: sample `index` of the request ends after its first `num_tokens`
+    output tokens, with finish_reason "stop" and `stop` as its stop_reason."""
+    request_id: str
+    index: int
+    num_tokens: int
+    stop: str
+
+
+class StopSamples(msgspec.Struct, tag=True):
+    """Finish these samples now (their blocks are freed at once); tokens past num_tokens are dropped."""
+    items: list[SampleStop]
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Abort everything, return every lease, and end the loop."""
 
@@ -87,11 +102,9 @@ class Verdicts(msgspec.Struct, tag=True):
 
 
 class CompletionDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one sample gained since the last message. The text is cut at `text_offset` and `text` appended
-    (stop-string handling may hold text back and, rarely, shorten it); tokens and logprobs only grow."""
+    """What one sample gained since the last message: token ids and logprobs only grow. No text: the client
+    side decodes (output_processor.py), and logprob entries come with decoded_token None."""
     index: int
-    text_offset: int
-    text: str
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -121,7 +134,7 @@ class CoreFailed(msgspec.Struct, tag=True):
     message: str
 
 
-ToCore = Add | Abort | Shutdown
+ToCore = Add | Abort | StopSamples | Shutdown
 FromCore = Ready | Verdicts | StepOutputs | CoreFailed
 
 

@@ -2,7 +2,9 @@
 
 Running sequences go first (in arrival order), then waiting ones. When the KV pool runs dry, the most
 recently admitted sequence is preempted: its blocks are freed and it is recomputed later from its prompt
-plus the tokens it already produced, so its output is unchanged.
+plus the tokens it already produced, so its output is unchanged. Under pressure the pool is shared fairly
+between requests (fair_share.py): the newest sequence of the request furthest over its share gives way
+first, and a request under its share may take blocks from it to be admitted.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.sliding_window import drop_out_of_window
 from lamina.cache.slot_allocator import SlotAllocator
+from lamina.engine.fair_share import Shares, compute_shares, eviction_victims, fair_running_order, held_blocks
 from lamina.engine.request import SeqStatus, Sequence
 
 # How far past waiting requests that wait for a prefix being computed admission looks in one step (keeps a
@@ -101,6 +104,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
+        shares = self._pressure()
+        if shares is not None:
+            self.running = fair_running_order(self.running, shares)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -120,9 +126,50 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, n + drafts, drafts + 1 if reaches_end else 0))
                 budget -= n + drafts
                 i += 1
-        if not preempted:  # new sequences only when nothing was preempted (avoids thrashing the pool)
-            self._admit_waiting(budget, scheduled)
+        # New sequences only when nothing was preempted (avoids thrashing the pool), except fresh ones of
+        # requests under their fair share.
+        if not preempted or shares is not None:
+            self._admit_waiting(budget, scheduled, shares, fresh_only=preempted)
         return SchedulerOutput(scheduled)
+
+    def _pressure(self) -> Shares | None:
+        """The requests' fair shares when the pool is short (fewer free blocks than running sequences, each of
+        which may need one) and more than one request is active; None otherwise (arrival order is kept)."""
+        if self.allocator.num_free >= len(self.running) + 1 or not self.running:
+            return None
+        shares = compute_shares(self.running, self.waiting, self.allocator.num_blocks)
+        if shares.fair >= self.allocator.num_blocks:  # one request: nothing to share
+            return None
+        return shares
+
+    def _admit_by_evicting(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq], shares: Shares | None
+                           ) -> tuple[int | None, int]:
+        """A waiting sequence of a request under its fair share did not fit: preempts the newest sequences of
+        the requests furthest over theirs to make room, then admits it. Returns (its chunk or None, tokens of
+        this step's budget given back by preempted sequences already scheduled)."""
+        if shares is None:
+            return None, 0
+        shares.held = held_blocks(self.running)  # this step's growth, preemptions and admissions so far
+        self._reuse_prefix(seq)  # measures what it needs as _admit will (undone below)
+        need = self._blocks_needed(seq, self._chunk(seq, budget))
+        if seq.block_table:
+            self.allocator.free(seq.block_table[::-1])
+            seq.block_table, seq.num_computed_tokens = [], 0
+        victims = eviction_victims(self.running, shares, seq.request_id, need - self.allocator.num_free)
+        if not victims:
+            return None, 0
+        refund = 0
+        for victim in victims:
+            for k, item in enumerate(scheduled):
+                if item.seq is victim:  # scheduled earlier this step: it gives its tokens back
+                    refund += item.num_tokens
+                    del scheduled[k]
+                    break
+            self.running.remove(victim)
+            self._preempt(victim)
+        n = self._admit(seq, budget + refund, scheduled)
+        shares.held = held_blocks(self.running)
+        return n, refund
 
     def _drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """Draft tokens to verify after the sequence's last known token this step: those a proposer left in
@@ -139,7 +186,8 @@ class Scheduler:
         del seq.draft_token_ids[max(k, 0):]
         return max(k, 0)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], shares: Shares | None = None,
+                       fresh_only: bool = False) -> None:
         """Admits waiting sequences (the first WAIT_LOOKAHEAD of them) in fair-share order: preempted ones
         first, then by how many sequences their request already has running plus how many of its sequences
         are ahead of them in line (ties: arrival order). So a request with many prompts or a large n takes
@@ -149,13 +197,18 @@ class Scheduler:
         right now is passed over until that block is cached, and requests that are mostly cached go first (a
         few tokens each, so a burst sharing a system prompt gets its first tokens without queueing behind the
         cold prompts that arrived in between) unless a cold one has been passed over MAX_PASSED_OVER times
-        already. Admission stops at the first sequence whose blocks do not fit (it keeps its place)."""
+        already. Admission stops at the first sequence whose blocks do not fit (it keeps its place).
+
+        Under pressure (`shares`), a sequence of a request under its fair share that does not fit takes blocks
+        from the requests furthest over theirs (_admit_by_evicting); one of a request at or over its share is
+        passed over instead of stopping admission; with `fresh_only` (this step preempted) only sequences of
+        requests under their share that were never preempted are considered."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return
         window = [self.waiting.popleft() for _ in range(min(len(self.waiting), WAIT_LOOKAHEAD))]
         admitted: set[int] = set()
         try:
-            self._admit_in_order(self._fair_order(window), budget, scheduled, admitted)
+            self._admit_in_order(self._fair_order(window), budget, scheduled, admitted, shares, fresh_only)
         finally:  # the rest keep their places at the head of the line, in arrival order
             self.waiting.extendleft(reversed([s for s in window if id(s) not in admitted]))
 
@@ -175,7 +228,7 @@ class Scheduler:
         return [window[k[2]] for k in sorted(keys)]
 
     def _admit_in_order(self, order: list[Sequence], budget: int, scheduled: list[ScheduledSeq],
-                        admitted: set[int]) -> None:
+                        admitted: set[int], shares: Shares | None = None, fresh_only: bool = False) -> None:
         """Admits from `order` (ids of admitted sequences go into `admitted`) until the budget, the sequence
         slots, the state slots or the KV pool run out."""
         passes = (True, False) if self.prefix_cache is not None else (False,)
@@ -184,6 +237,8 @@ class Scheduler:
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     return
                 if id(seq) in admitted:
+                    continue
+                if fresh_only and (seq.num_preemptions or shares.over(seq.request_id) >= 0):
                     continue
                 if self.state_slots is not None and self.state_slots.num_free == 0:
                     return  # no more sequences than state slots (checked before blocks are taken)
@@ -196,6 +251,11 @@ class Scheduler:
                         continue
                 n = self._admit(seq, budget, scheduled)
                 if n is None:
+                    n, refund = self._admit_by_evicting(seq, budget, scheduled, shares)
+                    budget += refund
+                if n is None:
+                    if shares is not None and shares.over(seq.request_id) >= 0:
+                        continue  # at its share already: others may still fit
                     return  # the KV pool is full: the sequence stays in line
                 admitted.add(id(seq))
                 budget -= n

@@ -1,4 +1,6 @@
-"""Stop conditions: stop token ids, EOS, stop strings, length; and how much text is safe to show."""
+"""Stop conditions. In the core: stop token ids, EOS and length (check_token_stop). On the output side (the
+API server process, or offline LLM's output loop): stop strings found in the new text's tail, and how much
+text is safe to show while one could still complete (find_stop, held_back)."""
 from __future__ import annotations
 
 from lamina.engine.request import Sequence
@@ -18,7 +20,7 @@ def check_token_stop(seq: Sequence, token: int, n_out: int, eos: list[int], max_
         seq.finish_reason = "length"
 
 
-def _held_back(text: str, stops: list[str]) -> int:
+def held_back(text: str, stops: list[str]) -> int:
     """Length of the longest suffix of text that could still grow into a stop string. Only the last
     len(stop) - 1 characters can, and only from a position holding the stop's first character: a few
     C-level string calls per stop, whatever the text's length."""
@@ -37,22 +39,19 @@ def _held_back(text: str, stops: list[str]) -> int:
     return hold
 
 
-def apply_stop_strings(seq: Sequence, new_text_len: int) -> None:
-    """Updates seq.text from seq.detok.text, cutting at the first stop string that appeared. Only the new
-    text's tail is searched (plus len(stop) - 1 characters before it, for a stop that straddles the
-    boundary); the count and length of stop strings are capped by SamplingParams.validate."""
-    full, stops = seq.detok.text, seq.params.stop
-    if stops and seq.finish_reason is None and seq.num_output_tokens >= seq.params.min_tokens:
-        longest = max(len(s) for s in stops)
-        start = max(0, len(full) - new_text_len - longest + 1)
-        hits = [(full.find(s, start), s) for s in stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if hits:
-            idx, s = min(hits)
-            seq.finish_reason, seq.stop_reason = "stop", s
-            seq.text = full[: idx + (len(s) if seq.params.include_stop_str_in_output else 0)]
-            return
-    if seq.finish_reason is not None or not stops:
-        seq.text = full
-    else:
-        seq.text = full[: len(full) - _held_back(full, stops)]
+def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string that ends inside the last `new_len` characters of `text` (the text before
+    them was searched already): (its index, the string), or None. Only that tail is searched, plus
+    len(stop) - 1 characters before it for a stop that straddles the boundary; the count and length of stop
+    strings are capped by SamplingParams.validate, so the cost does not grow with the text."""
+    if not stops or new_len <= 0:
+        return None
+    longest = max(len(s) for s in stops)
+    start = max(0, len(text) - new_len - longest + 1)
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best is None or (i, s) < best):  # ties: as min() over (index, string)
+            best = (i, s)
+    return best
+

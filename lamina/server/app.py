@@ -44,6 +44,7 @@ def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key
         client = AsyncEngine.spawn(engine, observer=metrics, wait=False)
         try:
             tokenizer = load_engine_tokenizer(engine)
+            client.set_tokenizer(tokenizer)  # outputs are decoded on the client's side (a copy of its own)
             client.wait_ready()
         except BaseException:
             client.shutdown(timeout=5)

@@ -39,7 +39,9 @@ async def _wait_free(ae: AsyncEngine, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = ae.last_stats
-        if s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_waiting == 0:
+        # No stream left means the core has answered every abort (the stats may predate a request's step).
+        if s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_waiting == 0 \
+                and ae.num_in_flight == 0:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"blocks still leased: {ae.last_stats}")
