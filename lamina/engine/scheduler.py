@@ -92,6 +92,16 @@ class Scheduler:
             self.state_slots.free(seq.state_slot)
             seq.state_slot = None
 
+    def trim(self, seq: Sequence) -> None:
+        """Frees the blocks past the sequence's computed positions (after a verify step rejected drafts, the
+        blocks grown for them may hold nothing kept). Never a registered block: those are full and computed."""
+        keep = (seq.num_computed_tokens + self.block_size - 1) // self.block_size
+        if len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table[:keep - 1:-1] if keep else seq.block_table[::-1])
+            # A new list, not shrunk in place: the runner's block-table rows resend a replaced table, while
+            # a table shrunk and regrown to its old length would look unchanged to them.
+            seq.block_table = seq.block_table[:keep]
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
