@@ -26,10 +26,15 @@ SCENARIOS = {
 }
 
 
+SELF_SPEC = {"method": "self_spec", "num_speculative_tokens": 3, "skip_layers": [1]}
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_ngram_greedy_identical(checkpoints, plain, scenario):
+@pytest.mark.parametrize("method", ["ngram", "self_spec"])
+def test_greedy_identical(checkpoints, plain, scenario, method):
     ps, ref = plain
-    llm = make(checkpoints["llama"], speculative_config=NGRAM, **SCENARIOS[scenario])
+    cfg = NGRAM if method == "ngram" else SELF_SPEC
+    llm = make(checkpoints["llama"], speculative_config=cfg, **SCENARIOS[scenario])
     assert outputs(llm, ps, GREEDY64) == ref
     stats = llm.engine.stats()
     assert stats.num_spec_drafts > 0 and stats.num_spec_draft_tokens >= stats.num_spec_drafts
@@ -38,9 +43,11 @@ def test_ngram_greedy_identical(checkpoints, plain, scenario):
     assert all_free(llm)
 
 
-def test_preemption_really_happens_with_drafts(checkpoints, plain):
+@pytest.mark.parametrize("method", ["ngram", "self_spec"])
+def test_preemption_really_happens_with_drafts(checkpoints, plain, method):
     ps, ref = plain
-    llm = make(checkpoints["llama"], speculative_config=NGRAM, num_kv_blocks=40)
+    llm = make(checkpoints["llama"], speculative_config=NGRAM if method == "ngram" else SELF_SPEC,
+               num_kv_blocks=40)
     eng = llm.engine
     for i, p in enumerate(ps):
         eng.add_request(str(i), p, GREEDY64)
@@ -97,6 +104,25 @@ def test_rejected_blocks_are_freed_and_budget_counts_drafts(checkpoints, plain):
         checked += bool(drafts)
     assert checked > 5 and seq.output_token_ids == ref[0]
     assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.scheduler.running
+
+
+def test_self_spec_without_skipped_layers_drafts_what_the_target_says(checkpoints, plain):
+    """Skipping no layer (the default on a 2-layer model) makes the drafter the target itself: every greedy
+    draft stands, 64 tokens come in about 64 / 4 steps per sequence."""
+    ps, ref = plain
+    llm = make(checkpoints["llama"], speculative_config={"method": "self_spec", "num_speculative_tokens": 3})
+    assert llm.engine.spec.proposer.keep == [0, 1]
+    assert outputs(llm, ps, GREEDY64) == ref
+    st = llm.engine.stats()
+    assert st.num_spec_accepted_tokens == st.num_spec_draft_tokens > 0
+    assert all_free(llm)
+
+
+def test_self_spec_refuses_bad_layers(checkpoints):
+    for skip, words in (([5], "out of range"), ([0, 1], "leaves no layer")):
+        with pytest.raises(ValueError, match=words):
+            make(checkpoints["llama"], speculative_config={"method": "self_spec", "num_speculative_tokens": 2,
+                                                           "skip_layers": skip})
 
 
 def test_budget_caps_drafts(checkpoints, plain):

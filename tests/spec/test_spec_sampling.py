@@ -28,11 +28,14 @@ def plain_seeded(checkpoints, one_thread):
     return ps, params, [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("how", ["all right", "all wrong", "ngram"])
+@pytest.mark.parametrize("how", ["all right", "all wrong", "ngram", "self_spec"])
 def test_seeded_sampling_identical(checkpoints, plain_seeded, how):
     ps, params, ref = plain_seeded
     if how == "ngram":
         llm = make(checkpoints["llama"], speculative_config=NGRAM)
+    elif how == "self_spec":
+        llm = make(checkpoints["llama"], speculative_config={"method": "self_spec", "num_speculative_tokens": 2,
+                                                             "skip_layers": [1]})
     else:
         llm = with_proposer(make(checkpoints["llama"]), OracleProposer(ps, ref, how == "all wrong"), 3)
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
