@@ -29,6 +29,10 @@ def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> S
         from lamina.spec.self_spec import SelfSpecProposer
 
         return SpecDecoder(config, SelfSpecProposer.build(engine, config.skip_layers))
+    if config.method == "draft_model":
+        from lamina.spec.draft_model import DraftModelProposer
+
+        return SpecDecoder(config, DraftModelProposer.build(engine, config.model))
     raise ValueError(f"speculative_config: method {config.method!r} is not implemented in this build yet")
 
 
