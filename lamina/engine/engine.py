@@ -330,8 +330,16 @@ class LLMEngine:
                 seq.num_computed_tokens -= n - 1 - a  # the rejected drafts' KV is overwritten later
                 self.scheduler.trim(seq)  # blocks holding only rejected positions go back to the pool
                 seq.token_ids[idx + 1:idx + 1] = [PENDING] * a
+                if seq.candidate_slots:  # recurrent state: commit the one after the last accepted token
+                    if a < n - 1:
+                        self.state_pool.copy_slot(seq.candidate_slots[a], seq.state_slot)
+                    self.scheduler.free_candidates(seq)
                 if self.spec is not None:
                     self.spec.stats.record(n - 1, a)
+                self._accept(seq, idx, tokens, result, row0, now)
+                if not seq.finished:  # a prefix-cache snapshot only at an accepted position
+                    self.scheduler.snapshot(seq)
+                continue
             self._accept(seq, idx, tokens, result, row0, now)
 
     def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:

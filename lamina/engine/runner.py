@@ -164,7 +164,9 @@ class ModelRunner:
         k = 11
         state = None
         if hybrid:
-            state = StateMetadata(dev[k], dev[k + 1], state_slots.tolist(), (start > 0).tolist())
+            cands = [s.candidate_slots for s in seqs]
+            state = StateMetadata(dev[k], dev[k + 1], state_slots.tolist(), (start > 0).tolist(),
+                                  cands if any(cands) else None)
             k += 2
         d_sample_rows = None
         if sample_rows is not None:

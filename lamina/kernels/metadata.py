@@ -20,6 +20,9 @@ class StateMetadata:
     has_initial_state: torch.Tensor  # [B] bool
     slots_cpu: list[int]
     has_initial_state_cpu: list[bool]
+    # Verify steps (speculative decoding): per sequence, the slots that receive its state after each token of
+    # its chunk but the last (whose state goes to its own slot, as always); None: no sequence verifies.
+    candidate_slots_cpu: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

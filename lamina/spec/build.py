@@ -20,9 +20,9 @@ def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> S
     if config.method == "mtp" and not has_mtp_weights(engine.config.model):
         raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with MTP weights (mtp.*); "
                          f"{engine.config.model} has none")
-    if engine.state_pool is not None:
-        raise ValueError("speculative_config: speculative decoding does not support models with recurrent "
-                         "layers (Gated DeltaNet) yet: their state cannot be rolled back past rejected drafts")
+    if engine.state_pool is not None and config.method == "self_spec":
+        raise ValueError("speculative_config: self_spec does not support models with recurrent layers (Gated "
+                         "DeltaNet) yet: its drafter would advance their states; use ngram or draft_model")
     if config.method == "ngram":
         return SpecDecoder(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
     if config.method == "self_spec":

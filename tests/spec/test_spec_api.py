@@ -1,6 +1,6 @@
 """The speculative-decoding surface: LLM(speculative_config=...) and `--speculative-config` take the same
 JSON, bad configs are refused at start-up with one line (unknown method, K < 1, mtp without MTP weights,
-hybrid models), and the counters reach /metrics through EngineStats (msgpack round trip included)."""
+self_spec on hybrid models), and the counters reach /metrics through EngineStats (msgpack round trip included)."""
 from __future__ import annotations
 
 import msgspec
@@ -45,11 +45,11 @@ def test_llm_refuses_at_start_up(checkpoints, cfg, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_hybrid_models_refused(tmp_path_factory, smol_tokenizer):
+def test_self_spec_on_hybrid_models_refused(tmp_path_factory, smol_tokenizer):
     path = make_hybrid_checkpoint(tmp_path_factory.getbasetemp() / "hybrid_ckpt" / "qwen3_next", "qwen3_next",
                                   smol_tokenizer, seed=10)
     with pytest.raises(ValueError, match="recurrent layers"):
-        make(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        make(path, speculative_config={"method": "self_spec", "num_speculative_tokens": 2})
 
 
 def test_metrics_from_engine_stats():
