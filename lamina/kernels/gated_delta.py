@@ -171,7 +171,14 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     profiling pass): zero state, nothing written."""
     if state is None:
         ssm_states = None
-    # Verify steps keep every intermediate state: the reference does (GPU kernels for it are still to come).
+    # Verify steps keep every intermediate state: the Triton verify kernel when the step holds only verify
+    # chunks and single tokens (a decode batch with drafts), else the reference.
+    if use_triton(q) and state is not None and state.candidate_slots is not None and ssm_states is not None:
+        from lamina.kernels.triton_gdn_verify import gated_delta_verify_triton
+
+        return gated_delta_verify_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, attn.query_start, state.slots,
+                                         state.candidate_slots, state.has_initial_state, attn.max_query_len,
+                                         use_qk_l2norm)
     if use_triton(q) and (state is None or state.candidate_slots_cpu is None):
         from lamina.kernels.triton_gated_delta import gated_delta_rule_varlen_triton
 
