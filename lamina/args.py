@@ -13,6 +13,7 @@ from typing import Any
 
 from lamina.generation_config import SOURCES_HELP
 from lamina.models.builtin import DEFAULT_MODEL
+from lamina.spec.config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "half", "float")
 
@@ -101,7 +102,18 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run dummy requests at start-up so the first ones pay no kernel compilation "
                         "(default: on with CUDA)")
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        "(methods: ngram with prompt_lookup_min/max, self_spec with skip_layers; default: off)")
     p.set_defaults(loads_model=True)
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config JSON, checked at once (one line on a bad one)."""
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("speculative_config: ")) from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +122,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,
-                state_snapshot_interval=args.state_snapshot_interval, warmup=args.warmup)
+                state_snapshot_interval=args.state_snapshot_interval, warmup=args.warmup,
+                speculative_config=getattr(args, "speculative_config", None))
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from lamina.spec.config import parse_speculative_config
 
 
 @dataclass
@@ -30,6 +33,9 @@ class EngineConfig:
     # Dummy requests through the step loop at start-up, so the first requests pay no Triton compilation
     # (engine/warmup.py). Default: on for CUDA.
     warmup: bool | None = None
+    # Speculative decoding, as vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": 3, ...}
+    # (a dict or its JSON; checked here, see lamina/spec/config.py). None: off.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -38,5 +44,6 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

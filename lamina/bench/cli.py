@@ -6,6 +6,7 @@ import argparse
 from lamina.args import HelpFormatter, add_engine_args, engine_kwargs, nonnegative_float, number_type, positive_int
 from lamina.bench.common import free_device as _free_device
 from lamina.bench.common import hardware, report
+from lamina.bench.spec import add_spec_bench_args
 from lamina.bench.vllm_baseline import add_vllm_args
 
 
@@ -33,6 +34,7 @@ def add_bench_parser(sub, all_commands: bool = True) -> None:
                     help="lamina's sampling temperature (default 0: greedy, like the HF baseline)")
     tp.add_argument("--result-file", default=None, help="also write the result JSON here")
     add_vllm_args(tp)
+    add_spec_bench_args(tp)
     tp.set_defaults(func=cmd_throughput)
 
     lat = bsub.add_parser("latency", help="single-request TTFT and decode speed, with achieved bandwidth",
@@ -50,6 +52,7 @@ def add_bench_parser(sub, all_commands: bool = True) -> None:
                      help="matmul rate to compute MFU against (H200 bf16, measured: 790)")
     lat.add_argument("--result-file", default=None, help="also write the result JSON here")
     add_vllm_args(lat)
+    add_spec_bench_args(lat)
     lat.set_defaults(func=cmd_latency)
 
     from lamina.bench.checkpoint import add_save_random_parser
@@ -71,6 +74,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from lamina.bench.workload import make_workload, parse_range
     from lamina.llm import LLM
 
+    if args.speculative_config is not None:  # with and without speculation, compared (bench/spec.py)
+        from lamina.bench.spec import cmd_spec
+
+        return cmd_spec(args, "throughput")
     if args.baseline == "vllm":
         vllm_baseline.require_vllm(args)
     llm = LLM(**engine_kwargs(args))
@@ -123,6 +130,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from lamina.bench.workload import make_workload
     from lamina.llm import LLM
 
+    if args.speculative_config is not None:  # with and without speculation, compared (bench/spec.py)
+        from lamina.bench.spec import cmd_spec
+
+        return cmd_spec(args, "latency")
     if args.baseline == "vllm":
         vllm_baseline.require_vllm(args)
     llm = LLM(**engine_kwargs(args))

@@ -53,7 +53,10 @@ def build_state_pool(layout: StateLayout, config: EngineConfig, device: torch.de
     """State slots for every sequence that can run, bound into the layers; None when no layer needs one."""
     if not layout.has_slots:
         return None
-    pool = StatePool(layout.slot_specs, config.max_num_seqs, device)
+    # Speculative decoding leases candidate slots for verify steps from the same pool: K spare ones, so one
+    # sequence can always verify even when every other slot holds a sequence.
+    spec = config.speculative_config
+    pool = StatePool(layout.slot_specs, config.max_num_seqs + (spec.num_speculative_tokens if spec else 0), device)
     layout.bind_slots(pool.views)
     return pool
 

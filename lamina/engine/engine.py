@@ -32,6 +32,8 @@ from lamina.engine.stop import check_token_stop
 from lamina.engine.warmup import warm_up
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
+from lamina.spec.accept import accepted_on_device
+from lamina.spec.build import build_spec_decoder
 
 log = logging.getLogger("lamina")
 
@@ -45,6 +47,12 @@ class EngineStats:
     num_snapshot_hits: int = 0  # hybrid prefix-cache hits (restored state snapshots), cumulative
     num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, cumulative
     num_step_failures: int = 0  # steps that raised and were retried without the requests that caused it
+    # Speculative decoding, cumulative (lamina/spec/decoder.py SpecStats): verify runs, draft tokens verified,
+    # drafts accepted, and accepted drafts by position in the run.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -83,6 +91,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.detokenizer = DeferredTokenText()  # logprob entries' decoded_token: filled on the output side
+        self.spec = build_spec_decoder(config.speculative_config, self)  # None without speculative decoding
         self.groups: dict[str, RequestGroup] = {}
         self._seq_ids = itertools.count()
         # Streaming callers (the server, chat) want every step's progress; offline batch generation only
@@ -91,6 +100,10 @@ class LLMEngine:
         self.in_flight: InFlight | None = None  # the launched step whose tokens are not read back yet
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
+        if self.spec is not None:
+            # Drafts follow a sequence's last token, so it must be known before the next step is built: every
+            # step is read back at once (a verify step is anyway).
+            self.async_scheduling = False
         if self.device.type == "cuda" if config.warmup is None else config.warmup:
             warm_up(self)
             timer.phase("warm-up")
@@ -192,11 +205,14 @@ class LLMEngine:
         """Requests (not sequences: n > 1 counts once) running and waiting, and the KV pool's state."""
         running = {s.request_id for s in self.scheduler.running}
         waiting = {s.request_id for s in self.scheduler.waiting} - running
+        spec = self.spec.stats if self.spec is not None else None
         return EngineStats(len(running), len(waiting), self.allocator.num_free,
                            self.allocator.num_blocks,
                            self.prefix_cache.snapshot_hits if self.prefix_cache is not None else 0,
                            self.prefix_cache.queried_tokens if self.prefix_cache is not None else 0,
-                           self.num_step_failures)
+                           self.num_step_failures, *((spec.num_drafts, spec.num_draft_tokens,
+                                                      spec.num_accepted_tokens, list(spec.accepted_per_position))
+                                                     if spec is not None else ()))
 
     # ---- the step -------------------------------------------------------------------------------
     num_step_failures = 0  # steps whose forward or sampling raised (each retried without its culprit)
@@ -208,6 +224,8 @@ class LLMEngine:
         takes the pending tokens straight from the device), so host work overlaps device work. A sequence
         that stopped on the late token wasted one token of compute, which is discarded.
         """
+        if self.spec is not None:  # drafts for the sequences about to decode (the scheduler budgets them)
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         touched: dict[str, RequestGroup] = {}
         launched = None
@@ -314,8 +332,11 @@ class LLMEngine:
                 seq.token_ids.append(PENDING)
         # A verify step must be read back before the sequence's next positions are known. (Penalties need no
         # sync: the next step's sampler reads a history token still in flight from these draws.)
-        sync = not self.async_scheduling or any(n > 1 for _, _, n in sampled)
-        return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None)
+        verify = any(n > 1 for _, _, n in sampled)
+        sync = not self.async_scheduling or verify
+        accepted = accepted_on_device(draws.token_ids, sampled) if verify else None
+        return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None,
+                        accepted)
 
     def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup]) -> None:
         for item in flight.scheduled:
@@ -328,21 +349,31 @@ class LLMEngine:
         if flight.draws is None:
             return
         result = flight.draws.finish_copy(flight.copy)
+        accepted = flight.num_accepted.tolist() if flight.num_accepted is not None else None
         now = time.monotonic()
         row = 0
-        for seq, idx, n in flight.sampled:
+        for i, (seq, idx, n) in enumerate(flight.sampled):
             row0, row = row, row + n
             if seq.finished:  # aborted, or stopped on an earlier token while this one was in flight
                 continue
             tokens = result.token_ids[row0:row]
-            if n > 1:  # greedy acceptance: a draft stands while the model's token at its position equals it
-                drafts, seq.draft_token_ids = seq.draft_token_ids[:n - 1], []
-                accepted = 0
-                while accepted < n - 1 and tokens[accepted] == drafts[accepted]:
-                    accepted += 1
-                tokens = tokens[:accepted + 1]
-                seq.num_computed_tokens -= n - 1 - accepted  # the rejected drafts' KV is overwritten later
-                seq.token_ids[idx + 1:idx + 1] = [PENDING] * accepted
+            if n > 1:  # the first accepted[i] drafts stood (spec/accept.py); the row after them is the model's
+                a = accepted[i]
+                seq.draft_token_ids = []
+                tokens = tokens[:a + 1]
+                seq.num_computed_tokens -= n - 1 - a  # the rejected drafts' KV is overwritten later
+                self.scheduler.trim(seq)  # blocks holding only rejected positions go back to the pool
+                seq.token_ids[idx + 1:idx + 1] = [PENDING] * a
+                if seq.candidate_slots:  # recurrent state: commit the one after the last accepted token
+                    if a < n - 1:
+                        self.state_pool.copy_slot(seq.candidate_slots[a], seq.state_slot)
+                    self.scheduler.free_candidates(seq)
+                if self.spec is not None:
+                    self.spec.stats.record(n - 1, a)
+                self._accept(seq, idx, tokens, result, row0, now)
+                if not seq.finished:  # a prefix-cache snapshot only at an accepted position
+                    self.scheduler.snapshot(seq)
+                continue
             self._accept(seq, idx, tokens, result, row0, now)
 
     def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:

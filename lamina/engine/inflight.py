@@ -21,6 +21,8 @@ class InFlight:
     draws: SampleTensors | None
     sync: bool  # must be read back before the next step is built
     copy: Any = None  # the started device-to-host copy of draws
+    # Verify steps: drafts accepted per sampled sequence (same order as `sampled`), counted on the device.
+    num_accepted: Any = None
 
     def pending(self) -> PendingTokens | None:
         """Where the next step finds the tokens this one samples (they are still on the device)."""

@@ -39,6 +39,8 @@ class Sequence:
     # Tokens a proposer guesses follow token_ids, verified by the next step (not part of token_ids until accepted).
     draft_token_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # state-pool slot (hybrid models), leased while admitted
+    # Hybrid verify steps: slots leased for the step (candidate j holds the state after the chunk's token j).
+    candidate_slots: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain hashes of full blocks
     num_registered_blocks: int = 0  # blocks of block_table already offered to the prefix cache
     # Prefix-cache blocks this running sequence is about to compute (chain hashes from block claim_start on),

@@ -164,7 +164,16 @@ class ModelRunner:
         k = 11
         state = None
         if hybrid:
-            state = StateMetadata(dev[k], dev[k + 1], state_slots.tolist(), (start > 0).tolist())
+            cands = [s.candidate_slots for s in seqs]
+            d_cands = None
+            if any(cands) and all(len(c) == n - 1 for c, n in zip(cands, ntok.tolist())):
+                width = max(1, int(ntok.max()) - 1)
+                table = np.zeros((b, width), np.int64)
+                for i, c in enumerate(cands):
+                    table[i, :len(c)] = c
+                d_cands = torch.from_numpy(table).to(self.device, non_blocking=True)
+            state = StateMetadata(dev[k], dev[k + 1], state_slots.tolist(), (start > 0).tolist(),
+                                  cands if any(cands) else None, d_cands)
             k += 2
         d_sample_rows = None
         if sample_rows is not None:

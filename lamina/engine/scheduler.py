@@ -99,6 +99,23 @@ class Scheduler:
         if seq.state_slot is not None:
             self.state_slots.free(seq.state_slot)
             seq.state_slot = None
+        self.free_candidates(seq)
+
+    def free_candidates(self, seq: Sequence) -> None:
+        """Returns the candidate state slots a hybrid verify step leased (after its acceptance, or on exit)."""
+        for slot in seq.candidate_slots:
+            self.state_slots.free(slot)
+        seq.candidate_slots = []
+
+    def trim(self, seq: Sequence) -> None:
+        """Frees the blocks past the sequence's computed positions (after a verify step rejected drafts, the
+        blocks grown for them may hold nothing kept). Never a registered block: those are full and computed."""
+        keep = (seq.num_computed_tokens + self.block_size - 1) // self.block_size
+        if len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table[:keep - 1:-1] if keep else seq.block_table[::-1])
+            # A new list, not shrunk in place: the runner's block-table rows resend a replaced table, while
+            # a table shrunk and regrown to its old length would look unchanged to them.
+            seq.block_table = seq.block_table[:keep]
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -177,12 +194,17 @@ class Scheduler:
         Drafts not scheduled are dropped (they were proposed for this step only)."""
         if not seq.draft_token_ids:
             return 0
-        # Not for sequences with recurrent state (it cannot be rolled back past rejected drafts yet), nor
-        # for one whose chunk does not reach its last known token.
-        if self.state_slots is not None or seq.num_computed_tokens + n != seq.num_tokens:
+        # Not for a sequence whose chunk does not reach its last known token.
+        if seq.num_computed_tokens + n != seq.num_tokens:
             seq.draft_token_ids = []
             return 0
         k = min(len(seq.draft_token_ids), seq.max_tokens - seq.num_output_tokens - 1, budget - n)
+        if self.state_slots is not None and k > 0:
+            # Recurrent state rolls back through candidate slots, one per draft (the state after the chunk's
+            # token j goes to candidate j; after the last, to the sequence's own slot), leased for this step.
+            k = min(k, self.state_slots.num_free)
+            self.free_candidates(seq)
+            seq.candidate_slots = [self.state_slots.allocate() for _ in range(k)]
         del seq.draft_token_ids[max(k, 0):]
         return max(k, 0)
 

@@ -42,12 +42,15 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              conv_states: torch.Tensor | None, query_start: list[int], state_slots: list[int] | None,
-                             has_initial_state: list[bool], activation: str | None = "silu") -> torch.Tensor:
+                             has_initial_state: list[bool], activation: str | None = "silu",
+                             candidate_slots: list[list[int]] | None = None) -> torch.Tensor:
     """x: [T, C], the chunks of several sequences concatenated (query_start: [B+1] row offsets).
 
     Reads each sequence's state from conv_states[slot] (zeros where has_initial_state is False) and writes
     the new one back. conv_states None (no pool bound, e.g. a profiling pass): zero state, nothing written.
     Single-token rows (decode) run as one batch; each longer chunk runs alone (the reference is a loop).
+    candidate_slots (verify steps): sequence i's window after its chunk's token j also goes to
+    conv_states[candidate_slots[i][j]] (every token but the last), for rolling back rejected drafts.
     """
     out = torch.empty_like(x)
     k = weight.shape[-1]
@@ -65,6 +68,11 @@ def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.
             out.index_copy_(0, torch.tensor([query_start[i] for i in rows], device=x.device), y[:, 0])
         else:
             out[query_start[rows[0]]:query_start[rows[0]] + l] = y[0]
+            cands = candidate_slots[rows[0]] if candidate_slots is not None and conv_states is not None else []
+            if cands:  # the window after token j: the K-1 inputs ending there, of (old state | chunk)
+                full = torch.cat([state[0], xs[0].transpose(0, 1).to(weight.dtype)], dim=-1)
+                windows = torch.stack([full[:, j + 1:j + k] for j in range(len(cands))])
+                conv_states.index_copy_(0, torch.tensor(cands, device=x.device), windows.to(conv_states.dtype))
         write_states(conv_states, rows, state_slots, new_state)
     return out
 
@@ -76,7 +84,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     reads only device tensors (graph-safe); the reference the host lists. state None: zero state."""
     if state is None:
         conv_states = None
-    if use_triton(x):
+    if use_triton(x) and (state is None or state.candidate_slots_cpu is None):  # verify steps: the reference
         from lamina.kernels.triton_conv1d import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(x, weight, bias, conv_states, attn.query_start,
@@ -86,4 +94,4 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return causal_conv1d_varlen_ref(x, weight, bias, conv_states, attn.query_start_cpu,
                                     state.slots_cpu if state is not None else None,
                                     state.has_initial_state_cpu if state is not None else [False] * attn.num_seqs,
-                                    activation)
+                                    activation, state.candidate_slots_cpu if state is not None else None)

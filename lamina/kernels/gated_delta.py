@@ -98,15 +98,37 @@ def recurrent_gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out.transpose(1, 2).to(out_dtype).contiguous(), state
 
 
+def recurrent_verify_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, ssm_states: torch.Tensor, candidates: list[int], own_slot: int,
+                         use_qk_l2norm: bool = True) -> torch.Tensor:
+    """One sequence's chunk: q, k [L, Hk, dk]; v [L, Hv, dv]; g, beta [L, Hv]; state [1, Hv, dk, dv] (its
+    state before the chunk). Writes the state after token j into ssm_states[candidates[j]] for j < L - 1
+    (len(candidates) == L - 1) and after the last token into ssm_states[own_slot]; returns out [L, Hv, dv]."""
+    length = q.shape[0]
+    if len(candidates) != length - 1:
+        raise ValueError(f"a verify chunk of {length} tokens needs {length - 1} candidate slots, got {len(candidates)}")
+    outs = []
+    for t in range(length):
+        o, state = recurrent_gated_delta_rule_ref(q[None, t:t + 1], k[None, t:t + 1], v[None, t:t + 1],
+                                                  g[None, t:t + 1], beta[None, t:t + 1], state, use_qk_l2norm)
+        outs.append(o[0])
+        slot = candidates[t] if t < length - 1 else own_slot
+        ssm_states[slot].copy_(state[0].to(ssm_states.dtype))
+    return torch.cat(outs, dim=0)
+
+
 def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, ssm_states: torch.Tensor | None, query_start: list[int],
                                 state_slots: list[int] | None, has_initial_state: list[bool],
-                                use_qk_l2norm: bool = True) -> torch.Tensor:
+                                use_qk_l2norm: bool = True,
+                                candidate_slots: list[list[int]] | None = None) -> torch.Tensor:
     """Flat varlen batch: q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv] -> out [T, Hv, dv].
 
     Single-token rows (decode) take one batched recurrent step; each longer chunk (prefill, possibly a later
     chunk of a chunked prefill) runs the chunked form from the sequence's state. States are read from and
-    written back to ssm_states[slot]; None: zero state, nothing written.
+    written back to ssm_states[slot]; None: zero state, nothing written. candidate_slots (verify steps): a
+    sequence with candidates runs token by token and leaves its state after its chunk's token j in
+    ssm_states[candidate_slots[i][j]] (every token but the last), so a rejected draft can be rolled back.
     """
     n = len(query_start) - 1
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
@@ -126,6 +148,11 @@ def gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         rows = slice(query_start[i], query_start[i + 1])
         state = read_states(ssm_states, [i], state_slots, has_initial_state, (1, hv, dk, dv), torch.float32,
                             q.device)
+        cands = candidate_slots[i] if candidate_slots is not None and ssm_states is not None else []
+        if cands:
+            out[rows] = recurrent_verify_ref(q[rows], k[rows], v[rows], g[rows], beta[rows], state, ssm_states,
+                                             cands, state_slots[i], use_qk_l2norm)
+            continue
         o, state = chunk_gated_delta_rule_ref(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
                                               beta[None, rows], state, CHUNK_SIZE, use_qk_l2norm)
         out[rows] = o[0]
@@ -144,7 +171,15 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     profiling pass): zero state, nothing written."""
     if state is None:
         ssm_states = None
-    if use_triton(q):
+    # Verify steps keep every intermediate state: the Triton verify kernel when the step holds only verify
+    # chunks and single tokens (a decode batch with drafts), else the reference.
+    if use_triton(q) and state is not None and state.candidate_slots is not None and ssm_states is not None:
+        from lamina.kernels.triton_gdn_verify import gated_delta_verify_triton
+
+        return gated_delta_verify_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, attn.query_start, state.slots,
+                                         state.candidate_slots, state.has_initial_state, attn.max_query_len,
+                                         use_qk_l2norm)
+    if use_triton(q) and (state is None or state.candidate_slots_cpu is None):
         from lamina.kernels.triton_gated_delta import gated_delta_rule_varlen_triton
 
         return gated_delta_rule_varlen_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, attn, state, use_qk_l2norm)
@@ -153,4 +188,4 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     return gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_states, attn.query_start_cpu,
                                        state.slots_cpu if state is not None else None,
                                        state.has_initial_state_cpu if state is not None else [False] * n,
-                                       use_qk_l2norm)
+                                       use_qk_l2norm, state.candidate_slots_cpu if state is not None else None)

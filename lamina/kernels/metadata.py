@@ -20,6 +20,12 @@ class StateMetadata:
     has_initial_state: torch.Tensor  # [B] bool
     slots_cpu: list[int]
     has_initial_state_cpu: list[bool]
+    # Verify steps (speculative decoding): per sequence, the slots that receive its state after each token of
+    # its chunk but the last (whose state goes to its own slot, as always); None: no sequence verifies.
+    candidate_slots_cpu: list[list[int]] | None = None
+    # Their device copy [B, max(1, max_query_len - 1)] (row b: its candidates first), when every sequence of the
+    # step is a verify chunk or a single token (the Triton verify kernel's case); else None (the reference).
+    candidate_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,18 @@ class ServerMetrics:
                                      "Engine steps that raised (retried without the culprit, or the iteration "
                                      "failed).", labels, registry=r)
         self._step_failures_seen = 0  # EngineStats.num_step_failures is a running total
+        # Speculative decoding (running totals in EngineStats; the counters take the increments).
+        self.spec_drafts = Counter("lamina:spec_decode_num_drafts", "Verify runs (one per sequence and step with "
+                                   "drafts).", labels, registry=r)
+        self.spec_draft_tokens = Counter("lamina:spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
+                                         registry=r)
+        self.spec_accepted = Counter("lamina:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels,
+                                     registry=r)
+        self.spec_accepted_pos = Counter("lamina:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the run.", labels + ["position"],
+                                         registry=r)
+        self._spec_seen = [0, 0, 0]
+        self._spec_pos_seen: list[int] = []
         self.http_errors = Counter("lamina:http_errors", "Error responses sent, by status code.",
                                    labels + ["status"], registry=r)
         self.ttft = Histogram("lamina:time_to_first_token_seconds", "Time to first token.", labels,
@@ -76,7 +88,7 @@ class ServerMetrics:
         # Children exist from the start, so every series reads 0 before its first event (not absent).
         for metric in (self.running, self.waiting, self.kv_usage, self.free_blocks, self.total_blocks,
                        self.prompt_tokens, self.prefix_hits, self.prefix_queries, self.snapshot_hits,
-                       self.generation_tokens,
+                       self.generation_tokens, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
                        self.step_failures, self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len):
             metric.labels(model_name)
         for reason in ("stop", "length", "error"):
@@ -107,6 +119,7 @@ class ServerMetrics:
         if stats.num_step_failures > self._step_failures_seen:
             self.step_failures.labels(m).inc(stats.num_step_failures - self._step_failures_seen)
             self._step_failures_seen = stats.num_step_failures
+        self._spec(stats)
         for v in it.time_to_first_tokens:
             self.ttft.labels(m).observe(v)
         for v in it.inter_token_latencies:
@@ -116,6 +129,21 @@ class ServerMetrics:
             self.e2e.labels(m).observe(f.e2e_latency)
             self.prompt_len.labels(m).observe(f.num_prompt_tokens)
             self.gen_len.labels(m).observe(f.num_generation_tokens)
+
+    def _spec(self, stats: EngineStats) -> None:
+        m = self._model
+        totals = [stats.num_spec_drafts, stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens]
+        for i, counter in enumerate((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted)):
+            if totals[i] > self._spec_seen[i]:
+                counter.labels(m).inc(totals[i] - self._spec_seen[i])
+                self._spec_seen[i] = totals[i]
+        per_pos = stats.spec_accepted_per_position or []
+        if len(self._spec_pos_seen) < len(per_pos):
+            self._spec_pos_seen += [0] * (len(per_pos) - len(self._spec_pos_seen))
+        for j, total in enumerate(per_pos):
+            if total > self._spec_pos_seen[j] or not self._spec_pos_seen[j]:
+                self.spec_accepted_pos.labels(m, str(j)).inc(total - self._spec_pos_seen[j])
+                self._spec_pos_seen[j] = total
 
     def on_http_error(self, status: int) -> None:
         self.http_errors.labels(self._model, str(status)).inc()

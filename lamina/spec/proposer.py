@@ -1,0 +1,18 @@
+"""The proposer interface: guesses of the tokens that follow each sequence, verified by the target model.
+
+A proposer sees sequences whose tokens are all known (none in flight) and whose next step is a decode step;
+it returns, per sequence, at most k draft tokens (fewer or none where it has no guess). The guesses cost no
+correctness: the verify step keeps a draft only where the target model would have produced it, so a proposer
+with no distribution (ngram, greedy drafters) is lossless for greedy and sampled requests alike.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from lamina.engine.request import Sequence
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        """Per sequence (same order), its draft tokens: a list of at most k token ids."""
+        ...
