@@ -27,6 +27,8 @@ class EngineConfig:
     num_state_snapshots: int | None = None
     state_snapshot_interval: int = 256
     tokenizer: str | None = None
+    quantization: str | None = None  # online weight quantization of a dense checkpoint: "fp8"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3, per-tensor scale 1.0)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -35,5 +37,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"unsupported quantization {self.quantization!r}; supported: fp8")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, fp8")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

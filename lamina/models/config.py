@@ -70,6 +70,8 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w): 1.0 for Qwen3-Next/Qwen3.5's zero-centred w
     gdn: GatedDeltaNetSpec | None = None
     moe: MoESpec | None = None
+    # config.json's quantization_config as written (models/quantization.py chooses the weight formats from it).
+    quantization_config: dict[str, Any] | None = None
 
     @property
     def num_layers(self) -> int:

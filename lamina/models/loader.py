@@ -92,12 +92,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
-               max_positions: int, progress: bool = True) -> CausalLM:
-    model = build_model(cfg, dtype, device)
+               max_positions: int, progress: bool = True, quantization: str | None = None) -> CausalLM:
+    """quantization: an online method (--quantization fp8) for a dense checkpoint; a checkpoint's own
+    quantization_config chooses its formats (an unsupported one is refused here, before any weight is read)."""
+    from lamina.models.quantization import format_chooser
+
+    model = build_model(cfg, dtype, device, format_chooser(cfg.quantization_config, cfg, quantization))
     if source.kind == "random":
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        _random_weights(model)
         model.init_rope(max_positions)
         return _finalize(model).eval()
     if source.kind == "gguf":
@@ -113,6 +115,20 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
                              disable=not progress, leave=False))
     model.init_rope(max_positions)
     return _finalize(model).eval()
+
+
+@torch.no_grad()
+def _random_weights(model: CausalLM) -> None:
+    """Benchmark weights: N(0, 0.02) matrices, unit vectors. Parameters a format stores quantized (FP8 from
+    --quantization) get a random dense tensor through their own loader, which quantizes it."""
+    from lamina.models.weight_formats import weight_loader
+
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_floating_point() and p.element_size() >= 2:
+                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+            else:
+                weight_loader(module, name)(p, torch.randn(p.shape, device=p.device) * 0.02)
 
 
 def _finalize(model: CausalLM) -> CausalLM:
