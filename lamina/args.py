@@ -14,6 +14,8 @@ from typing import Any
 from lamina.generation_config import SOURCES_HELP
 from lamina.models.builtin import DEFAULT_MODEL
 
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "half", "float")
 
 
@@ -98,6 +100,13 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--state-snapshot-interval", type=positive_int, default=256,
                    help="hybrid models: tokens between state snapshots (a multiple of block-size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the unseeded-request generator")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="quantize a dense checkpoint's weights as they load: fp8 (e4m3, one scale per output row; "
+                        "decoder projections and experts, not lm_head). A quantized checkpoint always uses its "
+                        "own format (default: none)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV pool entries: auto (the model dtype) or fp8 (e4m3, half the bytes of bf16: twice the "
+                        "tokens) (default: auto)")
     p.set_defaults(loads_model=True)
 
 
@@ -107,7 +116,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,
-                state_snapshot_interval=args.state_snapshot_interval)
+                state_snapshot_interval=args.state_snapshot_interval, quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

@@ -135,3 +135,25 @@ def test_block_scales_dequantize_per_block():
     s = torch.arange(6, dtype=torch.float32).view(2, 3) + 1
     w = dequantize(q, s, (16, 16))
     assert w[15, 15] == 1 and w[16, 15] == 4 and w[0, 47] == 3 and w[31, 47] == 6
+
+
+def test_random_preset_quantizes_online_for_benchmarks():
+    """`lamina bench latency --model random:P --quantization fp8`: random weights go through the FP8 loaders."""
+    from lamina import SamplingParams
+    from lamina.args import CliParser, add_engine_args, engine_kwargs
+
+    p = CliParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", "random:tiny-llama", "--quantization", "fp8", "--device", "cpu",
+                         "--kv-cache-memory-gb", "0.05"])
+    kw = engine_kwargs(args)
+    assert kw["quantization"] == "fp8" and kw["kv_cache_dtype"] == "auto"
+    llm = LLM(**kw, progress=False)
+    layers = fp8_layers(llm)
+    assert len(layers) == 4 * 4 and all(m.weight.dtype == FP8 and m.weight_scale.abs().sum() > 0
+                                        for m in layers.values())
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "int3"])

@@ -136,6 +136,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     bw = copy_bandwidth(eng.device)
     achieved = (wbytes + sbytes) * lat["decode_tok_s"]
     result = {"command": "latency", "model": args.model, "hardware": hardware(eng.device), "dtype": str(eng.dtype),
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "input_len": args.input_len, "output_len": args.output_len, "lamina": lat,
               "weight_bytes_per_token": wbytes, "state_bytes_per_token": sbytes,
               "measured_copy_bandwidth_GBs": bw / 1e9, "achieved_bandwidth_GBs": achieved / 1e9,
