@@ -111,8 +111,13 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
         from lamina.models.hf_loader import iter_safetensors
 
         tensors, total = iter_safetensors(source.path), None
+    from lamina.models.kv_scales import KVScales
+    from lamina.models.registry import checkpoint_map_for
+
+    kv_scales = KVScales()  # an FP8 checkpoint's k_scale / v_scale: to the attention layers, not parameters
     load_weights(model, tqdm(tensors, total=total, desc="loading weights", unit="tensor",
-                             disable=not progress, leave=False))
+                             disable=not progress, leave=False), kv_scales.wrap(checkpoint_map_for(cfg)))
+    kv_scales.apply(model)
     model.init_rope(max_positions)
     return _finalize(model).eval()
 
