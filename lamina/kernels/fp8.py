@@ -38,10 +38,10 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    """Block scales [ceil(N/bn), ceil(K/bk)] -> one scale per element [N, K]."""
+    """Block scales [..., ceil(N/bn), ceil(K/bk)] -> one scale per element [..., N, K]."""
     bn, bk = block
     n, k = shape
-    return scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return scale.float().repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +59,9 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [..., N, K] fp8 with row scales [..., N] or block scales [..., nb, kb] -> the weight in `dtype`."""
-    if q.dim() == 3:
-        return torch.stack([dequantize(q[e], scale[e], block, dtype) for e in range(q.shape[0])])
     if block is None:
-        return (q.float() * scale.float()[:, None]).to(dtype)
-    return (q.float() * expand_block_scale(scale, tuple(q.shape), block)).to(dtype)
+        return (q.float() * scale.float()[..., None]).to(dtype)
+    return (q.float() * expand_block_scale(scale, tuple(q.shape[-2:]), block)).to(dtype)
 
 
 def quantize_tokens(x: torch.Tensor, group: int | None = None,
@@ -121,3 +119,23 @@ def _scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     xq, xs = quantize_tokens(x, static_scale=input_scale)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.float().view(1, n), out_dtype=x.dtype)
     return y if bias is None else y + bias
+
+
+MOE_GEMV_PAIRS = 64  # at most this many (token, slot) pairs: the FP8 per-pair GEMVs (as triton_moe's dense ones)
+
+
+def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                  block: tuple[int, int] | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """kernels.moe.fused_moe over FP8 expert stacks (w13 [E, 2I, H], w2 [E, H, I] with row or block scales).
+
+    CUDA decode (<= 64 pairs): GEMVs that read FP8 (triton_fp8_moe.py). Otherwise (the CPU reference, and
+    prefill on CUDA) the stacks are dequantized to x's dtype for the dense grouped GEMM: correct, but on the
+    GPU it costs a pass over every expert per call (an FP8 grouped GEMM is the next step)."""
+    if use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and topk_ids.numel() <= MOE_GEMV_PAIRS:
+        from lamina.kernels.triton_fp8_moe import fp8_moe_gemv
+
+        return fp8_moe_gemv(x, w13, s13, w2, s2, block, topk_weights, topk_ids)
+    from lamina.kernels.moe import fused_moe
+
+    return fused_moe(x, dequantize(w13, s13, block, x.dtype), dequantize(w2, s2, block, x.dtype), topk_weights,
+                     topk_ids)

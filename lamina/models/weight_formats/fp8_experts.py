@@ -8,16 +8,16 @@ its scales, in the same schemes as fp8.py's Linear format:
 Checkpoint names map here through families/common.py (experts.N.gate_proj.weight_scale_inv ->
 experts.gate_up_proj_weight_scale_inv, expert N, shard "gate").
 
-The matmul dequantizes the stacks to the activation dtype and runs kernels.moe.fused_moe (the reference on
-the CPU; on CUDA the dense Triton grouped GEMM, so the FP8 stacks save memory but not time yet).
+The matmul is kernels.fp8.fp8_fused_moe: FP8-reading GEMVs for CUDA decode; otherwise the stacks are
+dequantized for kernels.moe.fused_moe (the CPU reference; CUDA prefill, where it costs a pass over every
+expert per call until an FP8 grouped GEMM exists).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lamina.kernels.fp8 import FP8, dequantize, quantize_rows
-from lamina.kernels.moe import fused_moe
+from lamina.kernels.fp8 import FP8, dequantize, fp8_fused_moe, quantize_rows
 from lamina.models.weight_formats.base import ExpertFormat, copy_checked, new_param, register_param
 from lamina.models.weight_formats.fp8 import Fp8Scheme, fill_row_scale, store_fp8
 
@@ -112,5 +112,6 @@ class Fp8Experts(ExpertFormat):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.dense_stacks(layer, x.dtype)
-        return fused_moe(x, w13, w2, topk_weights, topk_ids)
+        block = None if self.scheme.online else self.scheme.block
+        s13, s2 = (getattr(layer, self._scale_name(p)) for p in _PROJ)
+        return fp8_fused_moe(x, layer.gate_up_proj, s13, layer.down_proj, s2, block, topk_weights, topk_ids)
