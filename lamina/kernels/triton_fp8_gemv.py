@@ -11,6 +11,7 @@ stride_sk], which covers row scales (group_n 1, stride_sk 0) and block scales (g
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -50,9 +51,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _block_n(n: int, device: torch.device) -> int:
     """Widest tile that still gives every SM about two programs (decode N can be as small as 1024)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2
     for bn in (64, 32):
         if triton.cdiv(n, bn) >= 2 * sms:
             return bn
