@@ -102,3 +102,14 @@ def test_fp8_moe_gemv_matches_the_dequantized_reference(block, tokens, top_k):
     for bk in (None, 64):
         out = fp8_moe_gemv(x, w13, s13, w2, s2, block, weights.to(dtype), ids, block_k=bk)
         assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype], bk
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the script is the benchmark itself (scripts/gpu_run.sh fp8)")
+def test_gpu_bench_script_checks_pass_under_the_interpreter():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "fp8_gpu_bench.py"
+    done = subprocess.run([sys.executable, str(script), "--interpret"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
