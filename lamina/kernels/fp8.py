@@ -112,12 +112,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 def _scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     input_scale: torch.Tensor | None) -> torch.Tensor:
-    """Row-scaled FP8 GEMM on tensor cores (torch._scaled_mm wants K and N multiples of 16)."""
+    """Row-scaled FP8 GEMM on tensor cores. torch._scaled_mm's row-wise scaling wants bf16 output and sizes
+    that are multiples of 16: K and N are checked (else the reference), M is padded with zero rows."""
     n, k = weight.shape
-    if k % 16 or n % 16:
+    if k % 16 or n % 16 or x.dtype != torch.bfloat16:
         return fp8_linear_ref(x, weight, scale, None, bias)
+    m = x.shape[0]
     xq, xs = quantize_tokens(x, static_scale=input_scale)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.float().view(1, n), out_dtype=x.dtype)
+    if m % 16:
+        xq, xs = F.pad(xq.view(torch.uint8), (0, 0, 0, -m % 16)).view(FP8), F.pad(xs, (0, 0, 0, -m % 16), value=1.0)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.float().view(1, n), out_dtype=x.dtype)[:m]
     return y if bias is None else y + bias
 
 

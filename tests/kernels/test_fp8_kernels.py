@@ -113,3 +113,20 @@ def test_gpu_bench_script_checks_pass_under_the_interpreter():
     script = Path(__file__).resolve().parents[2] / "scripts" / "fp8_gpu_bench.py"
     done = subprocess.run([sys.executable, str(script), "--interpret"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("m", [5, 32])
+@pytest.mark.parametrize("static", [False, True])
+def test_scaled_mm_rows_path(m, static):
+    """The row-scaled prefill path (torch._scaled_mm, which torch also runs on the CPU): activations quantized
+    per token (or with a static scale), M padded to 16, bias added, vs the matmul of the same FP8 operands."""
+    from lamina.kernels.fp8 import _scaled_mm_rows
+
+    q, s, g = _weight(48, 64, None, seed=m)
+    x = torch.randn(m, 64, generator=g).to(torch.bfloat16).to(DEV)
+    bias = torch.randn(48, generator=g).to(torch.bfloat16).to(DEV)
+    static_scale = torch.tensor([0.02], device=DEV) if static else None
+    xq, xs = quantize_tokens(x, static_scale=static_scale)
+    ref = (xq.double() * xs.double()) @ dequantize(q, s, None).double().T + bias.double()
+    y = _scaled_mm_rows(x, q, s, bias, static_scale)
+    assert y.shape == (m, 48) and y.dtype == torch.bfloat16 and rel_err(y, ref) < TOL[torch.bfloat16]
