@@ -130,3 +130,13 @@ def test_wrong_scales_and_dtypes_are_refused_at_load(checkpoints, tmp_path):
     (qdir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="already quantized \\('compressed-tensors'\\); drop --quantization fp8"):
         lamina_logprobs(qdir, quantization="fp8")
+
+
+def test_tied_lm_head_stays_dense_without_an_ignore_entry(checkpoints):
+    """A tied lm_head reads the embedding table, so "Linear" targets cannot make it FP8."""
+    cfg, _ = read_config(resolve_source(str(checkpoints["qwen2"])))
+    assert cfg.tie_word_embeddings
+    model = build_model(cfg, torch.float32, torch.device("meta"),
+                        format_chooser(ct_config({"strategy": "channel"}, DYNAMIC, ignore=()), cfg))
+    assert type(model.lm_head.format).__name__ == "DenseFormat"
+    assert type(model.model.layers[0].mlp.down_proj.format).__name__ == "Fp8Linear"

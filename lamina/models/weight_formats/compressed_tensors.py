@@ -105,8 +105,12 @@ def choose_ct(quant_config: dict[str, Any], model_config: Any):
         raise ValueError("compressed-tensors config has no config_groups")
     ignore = list(quant_config.get("ignore") or [])
 
+    tied = bool(getattr(model_config, "tie_word_embeddings", False))
+
     def choose(name: str, layer: nn.Module):
         if not hasattr(layer, "set_format") or type(layer).__name__ == "Embedding":
+            return None
+        if tied and name == "lm_head":  # a tied lm_head reads the (dense) embedding table
             return None
         names = checkpoint_names(name, layer)
         if decide_all(names, lambda n: any(matches(p, n) for p in ignore), name):
