@@ -121,6 +121,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from lamina.bench import hf_baseline, vllm_baseline
     from lamina.bench.offline import copy_bandwidth, run_latency, state_bytes_per_token, weight_bytes_per_token
     from lamina.bench.workload import make_workload
+    from lamina.engine.build import kv_storage_dtype
     from lamina.llm import LLM
 
     if args.baseline == "vllm":
@@ -132,7 +133,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     # The roofline counts what one decode step must move: active weights plus the sequence's state/KV (at
     # the mean context of the decode phase).
     wbytes = weight_bytes_per_token(eng.model)
-    sbytes = state_bytes_per_token(eng.model, args.input_len + args.output_len // 2)
+    sbytes = state_bytes_per_token(eng.model, args.input_len + args.output_len // 2, kv_storage_dtype(eng.config))
     bw = copy_bandwidth(eng.device)
     achieved = (wbytes + sbytes) * lat["decode_tok_s"]
     result = {"command": "latency", "model": args.model, "hardware": hardware(eng.device), "dtype": str(eng.dtype),
