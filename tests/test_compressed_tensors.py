@@ -11,7 +11,7 @@ import torch
 from fp8_checkpoints import block_quantizer, write_quantized
 from model_factory import hf_logprobs
 from safetensors.torch import load_file, save_file
-from test_fp8_weights import BLOCK_CONFIG, chosen, fp8_layers, lamina_logprobs
+from test_fp8_weights import BLOCK_CONFIG, chosen, fp8_layers, lamina_logprobs, moe_checkpoint  # noqa: F401
 from test_parity_hf import PROMPT
 
 from lamina.models.loader import build_model, read_config, resolve_source
@@ -140,3 +140,22 @@ def test_tied_lm_head_stays_dense_without_an_ignore_entry(checkpoints):
                         format_chooser(ct_config({"strategy": "channel"}, DYNAMIC, ignore=()), cfg))
     assert type(model.lm_head.format).__name__ == "DenseFormat"
     assert type(model.model.layers[0].mlp.down_proj.format).__name__ == "Fp8Linear"
+
+
+def test_ct_fp8_moe_experts_per_tensor(moe_checkpoint, tmp_path):  # noqa: F811
+    """Per-expert compressed-tensors tensors (experts.N.gate_proj.weight / weight_scale, one scale per
+    tensor) load into the FP8 expert stacks; logprobs match HF on the package's decompressed copy."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from fp8_checkpoints import ct_quantizer
+
+    from lamina.models.weight_formats.fp8_experts import Fp8Experts
+
+    cfg = ct_config({"strategy": "tensor"}, DYNAMIC, ignore=["lm_head", "re:.*mlp\\.gate$"])
+    qdir, ddir = write_quantized(moe_checkpoint, tmp_path, ct_quantizer(QuantizationScheme(
+        **cfg["config_groups"]["group_0"])), cfg)
+    ours, llm = lamina_logprobs(qdir)
+    kinds = {type(m.format).__name__ for m in fp8_layers(llm).values()}
+    assert kinds == {"Fp8Linear", "Fp8Experts"}
+    experts = next(m for m in fp8_layers(llm).values() if isinstance(m.format, Fp8Experts))
+    assert experts.gate_up_proj_weight_scale.shape == (4, 64)  # per-tensor scales spread over their rows
+    assert (ours - chosen(hf_logprobs(ddir, PROMPT), PROMPT)).abs().max().item() <= 1e-4
