@@ -15,6 +15,8 @@ from lamina.generation_config import SOURCES_HELP
 from lamina.models.builtin import DEFAULT_MODEL
 from lamina.spec.config import SpeculativeConfig, parse_speculative_config
 
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "half", "float")
 
 
@@ -105,6 +107,13 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(methods: ngram with prompt_lookup_min/max, self_spec with skip_layers; default: off)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="quantize a dense checkpoint's weights as they load: fp8 (e4m3, one scale per output row; "
+                        "decoder projections and experts, not lm_head). A quantized checkpoint always uses its "
+                        "own format (default: none)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV pool entries: auto (the model dtype) or fp8 (e4m3, half the bytes of bf16: twice the "
+                        "tokens) (default: auto)")
     p.set_defaults(loads_model=True)
 
 
@@ -123,6 +132,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,
                 state_snapshot_interval=args.state_snapshot_interval, warmup=args.warmup,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 speculative_config=getattr(args, "speculative_config", None))
 
 

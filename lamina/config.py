@@ -36,6 +36,8 @@ class EngineConfig:
     # Speculative decoding, as vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": 3, ...}
     # (a dict or its JSON; checked here, see lamina/spec/config.py). None: off.
     speculative_config: Any = None
+    quantization: str | None = None  # online weight quantization of a dense checkpoint: "fp8"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3, per-tensor scale 1.0)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -45,5 +47,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"unsupported quantization {self.quantization!r}; supported: fp8")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, fp8")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

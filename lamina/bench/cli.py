@@ -128,6 +128,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from lamina.bench import hf_baseline, vllm_baseline
     from lamina.bench.offline import copy_bandwidth, run_latency, state_bytes_per_token, weight_bytes_per_token
     from lamina.bench.workload import make_workload
+    from lamina.engine.build import kv_storage_dtype
     from lamina.llm import LLM
 
     if args.speculative_config is not None:  # with and without speculation, compared (bench/spec.py)
@@ -143,10 +144,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
     # The roofline counts what one decode step must move: active weights plus the sequence's state/KV (at
     # the mean context of the decode phase).
     wbytes = weight_bytes_per_token(eng.model)
-    sbytes = state_bytes_per_token(eng.model, args.input_len + args.output_len // 2)
+    sbytes = state_bytes_per_token(eng.model, args.input_len + args.output_len // 2, kv_storage_dtype(eng.config))
     bw = copy_bandwidth(eng.device)
     achieved = (wbytes + sbytes) * lat["decode_tok_s"]
     result = {"command": "latency", "model": args.model, "hardware": hardware(eng.device), "dtype": str(eng.dtype),
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "input_len": args.input_len, "output_len": args.output_len, "lamina": lat,
               "weight_bytes_per_token": wbytes, "state_bytes_per_token": sbytes,
               "measured_copy_bandwidth_GBs": bw / 1e9, "achieved_bandwidth_GBs": achieved / 1e9,

@@ -81,12 +81,13 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return int(total)
 
 
-def state_bytes_per_token(model: torch.nn.Module, context_len: int) -> int:
+def state_bytes_per_token(model: torch.nn.Module, context_len: int, kv_dtype: torch.dtype | None = None) -> int:
     """Bytes of per-sequence state one decode step reads or writes: the recurrent and conv states of the
-    state layers (read and written back), and the KV cache of the attention layers at context_len."""
+    state layers (read and written back), and the KV cache of the attention layers at context_len (in
+    kv_dtype when the pool's differs from the model's, --kv-cache-dtype)."""
     from lamina.cache.state_layout import StateLayout
 
-    layout = StateLayout.collect(model.state_layers(), next(model.parameters()).dtype)
+    layout = StateLayout.collect(model.state_layers(), next(model.parameters()).dtype, kv_dtype)
     state = 2 * layout.bytes_per_slot()
     kv = layout.kv_bytes_per_block(1) * context_len
     return state + kv

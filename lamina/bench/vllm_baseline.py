@@ -80,6 +80,10 @@ def engine_args(model: str, dtype: str, args: argparse.Namespace, workdir: str |
               enforce_eager=args.enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=args.seed)
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
+    if getattr(args, "quantization", None):  # the same online quantization (vLLM's per-tensor FP8)
+        kw["quantization"] = args.quantization
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     if arch.startswith("Qwen3Next"):
         # Without flashinfer, vLLM's Hopper default GDN prefill kernel is missing and its engine dies.
         kw["additional_config"] = {"gdn_prefill_backend": "triton"}

@@ -6,6 +6,7 @@ rebinding (e.g. profiling with scratch KV, then the real pool) goes through the 
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import torch
 from lamina.cache.specs import (
     BLOCK_SPECS,
     BlockSpec,
+    FullAttentionSpec,
     RecurrentStateSpec,
     SlotSpec,
     Stateful,
@@ -28,13 +30,20 @@ class StateLayout:
     slot_specs: list[SlotSpec] = field(default_factory=list)
 
     @classmethod
-    def collect(cls, layers: Iterable[Stateful], dtype: torch.dtype) -> StateLayout:
-        """Asks each layer for its spec (dtype: the model's); layers answering None keep no state."""
+    def collect(cls, layers: Iterable[Stateful], dtype: torch.dtype,
+                kv_dtype: torch.dtype | None = None) -> StateLayout:
+        """Asks each layer for its spec (dtype: the model's); layers answering None keep no state.
+
+        kv_dtype: the KV pool's storage dtype when it differs from the model's (--kv-cache-dtype fp8): K/V
+        specs are declared in it, so the pool is sized by their bytes and the kernels read the dtype off
+        the bound tensors (layers need not know)."""
         out = cls()
         for layer in layers:
             spec = layer.state_spec(dtype)
             if spec is None:
                 continue
+            if kv_dtype is not None and isinstance(spec, FullAttentionSpec):
+                spec = dataclasses.replace(spec, dtype=kv_dtype)
             if isinstance(spec, BLOCK_SPECS):
                 out.kv_layers.append(layer)
                 out.kv_specs.append(spec)

@@ -34,7 +34,7 @@ def load_model_and_tokenizer(config: EngineConfig, dtype: torch.dtype, device: t
     model_config, reader = read_config(source)
     tokenizer = load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer)
     max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
-    model = load_model(source, model_config, reader, dtype, device, max_pos, progress)
+    model = load_model(source, model_config, reader, dtype, device, max_pos, progress, config.quantization)
     return model_config, tokenizer, model
 
 
@@ -97,9 +97,14 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, pool_
     return config.max_model_len or min(model_config.max_position_embeddings, pool_tokens)
 
 
+def kv_storage_dtype(config: EngineConfig) -> torch.dtype | None:
+    """The KV pool's dtype when --kv-cache-dtype overrides the model's (None: the model dtype)."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None
+
+
 def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
                 device: torch.device, timer: StartupTimer | None = None) -> Pools:
-    layout = StateLayout.collect(model.state_layers(), dtype)
+    layout = StateLayout.collect(model.state_layers(), dtype, kv_storage_dtype(config))
     state_pool = build_state_pool(layout, config, device)
     snapshots = build_snapshots(layout, state_pool, config, device)
     peak = step_peak_bytes(model, layout, config, device)

@@ -48,8 +48,23 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
-    vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
+    _index_copy(kf, slot_mapping, to_cache_dtype(k, kf.dtype))
+    _index_copy(vf, slot_mapping, to_cache_dtype(v, vf.dtype))
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; into an FP8 cache (--kv-cache-dtype fp8, scale 1.0) saturating at +-448."""
+    if dtype == torch.float8_e4m3fn:
+        from lamina.kernels.fp8 import to_fp8
+
+        return to_fp8(x.float())
+    return x.to(dtype)
+
+
+def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.dtype == torch.float8_e4m3fn:  # torch has no index_copy_ for float8 on the CPU: copy the bytes
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, index, src)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -25,6 +25,14 @@ MAX_SPLITS = 32  # 64 splits of a 32k context were slower than 32 (55.7 vs 52.5 
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """x in the cache's element type; an FP8 cache (e4m3, scale 1.0) saturates at +-448 instead of NaN."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_heads,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
@@ -41,12 +49,12 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_heads,
     m = (h < num_heads)[:, None] & (d < D)[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m)
     tl.store(kc_ptr + blk * stride_kcb + off * stride_kct + h[:, None] * stride_kch + d[None, :],
-             k.to(kc_ptr.dtype.element_ty), mask=m)
+             to_cache(k, kc_ptr), mask=m)
     dv = tl.arange(0, BLOCK_DV)
     mv = (h < num_heads)[:, None] & (dv < DV)[None, :]
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + dv[None, :], mask=mv)
     tl.store(vc_ptr + blk * stride_vcb + off * stride_vct + h[:, None] * stride_vch + dv[None, :],
-             v.to(vc_ptr.dtype.element_ty), mask=mv)
+             to_cache(v, vc_ptr), mask=mv)
 
 
 @triton.jit
@@ -78,6 +86,7 @@ def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask
     dv = tl.arange(0, BLOCK_DV)
     v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
     v = tl.load(vc_ptr + v_off[:, None] + dv[None, :], mask=kmask[:, None] & (dv < DV)[None, :], other=0.0)
+    v = v.to(qt.dtype)  # an FP8 cache is widened in registers (a no-op for a cache in q's dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 

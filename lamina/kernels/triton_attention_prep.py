@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.triton_attention import to_cache
+
 
 @triton.jit
 def _norm_rope_rows(x_ptr, row_off, hmask, w_ptr, cs_row_ptr, eps, offset,
@@ -80,14 +82,14 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr,
             y = _norm_rope_rows(k_ptr, t * stride_kt + h64 * stride_kh, hmask, kw_ptr, cs_row, eps, offset,
                                 D, ROT, BLOCK_D, HAS_NORM)
             m = hmask[:, None] & (d < D)[None, :]
-            y = y.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty)
+            y = to_cache(y.to(k_ptr.dtype.element_ty), kc_ptr)
             tl.store(kc_ptr + page * stride_kcb + off * stride_kct + h64[:, None] * stride_kch + d[None, :], y,
                      mask=m)
             dv = tl.arange(0, BLOCK_DV)
             mv = hmask[:, None] & (dv < DV)[None, :]
             v = tl.load(v_ptr + t * stride_vt + h64[:, None] * stride_vh + dv[None, :], mask=mv)
             tl.store(vc_ptr + page * stride_vcb + off * stride_vct + h64[:, None] * stride_vch + dv[None, :],
-                     v.to(vc_ptr.dtype.element_ty), mask=mv)
+                     to_cache(v, vc_ptr), mask=mv)
 
 
 DECODE_TOKENS = 16  # up to this many tokens, q's heads are split over programs of ~1k elements

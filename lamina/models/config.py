@@ -82,6 +82,8 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     gdn: GatedDeltaNetSpec | None = None
     moe: MoESpec | None = None
+    # config.json's quantization_config as written (models/quantization.py chooses the weight formats from it).
+    quantization_config: dict[str, Any] | None = None
 
     @property
     def num_layers(self) -> int:

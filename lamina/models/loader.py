@@ -92,12 +92,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
-               max_positions: int, progress: bool = True) -> CausalLM:
-    model = build_model(cfg, dtype, device)
+               max_positions: int, progress: bool = True, quantization: str | None = None) -> CausalLM:
+    """quantization: an online method (--quantization fp8) for a dense checkpoint; a checkpoint's own
+    quantization_config chooses its formats (an unsupported one is refused here, before any weight is read)."""
+    from lamina.models.quantization import format_chooser
+
+    model = build_model(cfg, dtype, device, format_chooser(cfg.quantization_config, cfg, quantization))
     if source.kind == "random":
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        _random_weights(model)
         model.init_rope(max_positions)
         return _finalize(model).eval()
     if source.kind == "gguf":
@@ -109,10 +111,29 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
         from lamina.models.hf_loader import iter_safetensors
 
         tensors, total = iter_safetensors(source.path), None
+    from lamina.models.kv_scales import KVScales
+    from lamina.models.registry import checkpoint_map_for
+
+    kv_scales = KVScales()  # an FP8 checkpoint's k_scale / v_scale: to the attention layers, not parameters
     load_weights(model, tqdm(tensors, total=total, desc="loading weights", unit="tensor",
-                             disable=not progress, leave=False))
+                             disable=not progress, leave=False), kv_scales.wrap(checkpoint_map_for(cfg)))
+    kv_scales.apply(model)
     model.init_rope(max_positions)
     return _finalize(model).eval()
+
+
+@torch.no_grad()
+def _random_weights(model: CausalLM) -> None:
+    """Benchmark weights: N(0, 0.02) matrices, unit vectors. Parameters a format stores quantized (FP8 from
+    --quantization) get a random dense tensor through their own loader, which quantizes it."""
+    from lamina.models.weight_formats import weight_loader
+
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_floating_point() and p.element_size() >= 2:
+                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+            else:
+                weight_loader(module, name)(p, torch.randn(p.shape, device=p.device) * 0.02)
 
 
 def _finalize(model: CausalLM) -> CausalLM:

@@ -15,7 +15,10 @@ from lamina.models.weight_formats import FormatChoice
 
 # method -> "module:function"; the function takes (quantization_config dict, ModelConfig) and returns a
 # FormatChoice. Entries are added by the format modules' authors (FP8 blocks, compressed-tensors, GPTQ, AWQ).
-CHOOSERS: Mapping[str, str] = {}
+CHOOSERS: Mapping[str, str] = {
+    "fp8": "lamina.models.weight_formats.fp8_choose:choose_fp8",
+    "compressed-tensors": "lamina.models.weight_formats.compressed_tensors:choose_ct",
+}
 
 ChooserFactory = Callable[[dict[str, Any], Any], FormatChoice]
 
@@ -24,8 +27,19 @@ def supported_methods() -> list[str]:
     return sorted(CHOOSERS)
 
 
-def format_chooser(quant_config: dict[str, Any] | None, model_config: Any) -> FormatChoice | None:
-    """The FormatChoice for a checkpoint's quantization config (None: dense everywhere)."""
+def format_chooser(quant_config: dict[str, Any] | None, model_config: Any,
+                   online: str | None = None) -> FormatChoice | None:
+    """The FormatChoice for a checkpoint's quantization config, or for `online` quantization of a dense
+    checkpoint (--quantization; None: dense everywhere). A quantized checkpoint with a different online
+    method is refused (its weights are already quantized one way)."""
+    if online is not None:
+        method = str((quant_config or {}).get("quant_method", "")).lower()
+        if quant_config and method != online:
+            raise ValueError(f"the checkpoint is already quantized ({method!r}); drop --quantization {online}")
+        if not quant_config:
+            from lamina.models.weight_formats.fp8_choose import online_chooser
+
+            return online_chooser(online)
     if not quant_config:
         return None
     method = str(quant_config.get("quant_method", "")).lower()

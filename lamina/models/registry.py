@@ -30,7 +30,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     for arch in archs:
         if arch in _FAMILIES:
             family, build = _FAMILIES[arch]
-            return build(family, hf)
+            cfg = build(family, hf)
+            cfg.quantization_config = hf.get("quantization_config") or None
+            return cfg
     raise ValueError(
         f"unsupported model architecture {archs or hf.get('model_type')!r}; "
         f"lamina supports {', '.join(supported_architectures())}"

@@ -30,7 +30,9 @@ FUSED = {
     "in_proj_a": ("in_proj", "a"),
 }
 # One routed expert's projection -> (the stacked experts tensor, expert N, shard "gate" | "up" | none).
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# A quantized format's per-expert tensors (any suffix but "weight") keep it (gate_proj.weight_scale_inv ->
+# gate_up_proj_weight_scale_inv, expert N, shard "gate").
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; we compute them
 
 
@@ -39,10 +41,11 @@ def hf_target(name: str) -> Target | None:
     if any(s in name for s in _IGNORED):
         return None
     if m := _EXPERT.match(name):
-        prefix, expert, proj = m.groups()
+        prefix, expert, proj, suffix = m.groups()
+        tail = "" if suffix == "weight" else f"_{suffix}"
         if proj == "down_proj":
-            return Target(f"{prefix}.down_proj", expert=int(expert))
-        return Target(f"{prefix}.gate_up_proj", proj.removesuffix("_proj"), int(expert))
+            return Target(f"{prefix}.down_proj{tail}", expert=int(expert))
+        return Target(f"{prefix}.gate_up_proj{tail}", proj.removesuffix("_proj"), int(expert))
     parts = name.split(".")
     if len(parts) >= 3 and parts[-2] in FUSED:
         fused, shard = FUSED[parts[-2]]

@@ -31,6 +31,19 @@ class AttentionBase(nn.Module):
         self.sliding_window = spec.sliding_window
         self.rope = rope  # shared by all layers; filled by the model after loading
         self._kv: KVBlocks | None = None  # bound by the engine (views into the KV pool; stable for CUDA graphs)
+        # The checkpoint's calibrated k_scale / v_scale (set_kv_scales); an FP8 cache stores K/k_scale and
+        # V/v_scale. Python floats: applied as host constants, so CUDA graphs keep them.
+        self.kv_scales = (1.0, 1.0)
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        if not all(0 < s < float("inf") for s in (k_scale, v_scale)):
+            raise ValueError(f"KV cache scales must be positive and finite, got k {k_scale}, v {v_scale}")
+        self.kv_scales = (float(k_scale), float(v_scale))
+
+    @property
+    def active_kv_scales(self) -> tuple[float, float]:
+        """(k, v) scales of the bound cache: the checkpoint's for an FP8 cache, else 1 (nothing is rounded)."""
+        return self.kv_scales if self.k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
 
     def state_spec(self, dtype: torch.dtype) -> FullAttentionSpec:
         if self.sliding_window:
@@ -60,8 +73,26 @@ class AttentionBase(nn.Module):
                          meta: AttentionMetadata) -> torch.Tensor:
         """q/k norm (if the model has it), RoPE, and the KV store in one op; returns the new q."""
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) if self.qk_norm else ()
+        ks, vs = self.active_kv_scales
+        if vs != 1.0:
+            v = v * (1.0 / vs)
+        if ks != 1.0:  # K/ks: folded into k_norm's weight (the norm would undo a scaled input), else scaled
+            if self.qk_norm:
+                off = self.k_norm.offset
+                kw = ((self.k_norm.weight.float() + off) / ks - off).to(self.k_norm.weight.dtype)
+                norm = (self.q_norm.weight, kw, self.q_norm.eps, off)
+            else:
+                k = k * (1.0 / ks)
         return qk_norm_rope_store(q, k, v, positions, self.cos_sin_cache, self.k_cache, self.v_cache,
                                   meta.slot_mapping, *norm)
+
+    def _paged_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the bound cache; a scaled FP8 cache's k_scale joins the softmax scale and its
+        v_scale multiplies the output."""
+        ks, vs = self.active_kv_scales
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale * ks, self.sliding_window,
+                              self.softcap)
+        return out if vs == 1.0 else out * vs
 
 
 class Attention(AttentionBase):
@@ -80,6 +111,5 @@ class Attention(AttentionBase):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q = self._norm_rope_store(q, k, v, positions, ctx.attn)
-        out = paged_attention(q, self.k_cache, self.v_cache, ctx.attn, self.scale, self.sliding_window,
-                              self.softcap)
+        out = self._paged_attention(q, ctx.attn)
         return self.o_proj(out.reshape(t, -1))

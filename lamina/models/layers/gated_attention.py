@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn  # noqa: F401  (kept for the state-binding rework of this class)
 
-from lamina.kernels.attention import paged_attention
 from lamina.kernels.metadata import StepContext
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.attention import AttentionBase
@@ -34,6 +33,6 @@ class GatedAttention(AttentionBase):
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
         q = self._norm_rope_store(q, k, v, positions, ctx.attn)  # q is a strided view: read in place
-        out = paged_attention(q, self.k_cache, self.v_cache, ctx.attn, self.scale, self.sliding_window)
+        out = self._paged_attention(q, ctx.attn)
         out = out.reshape(t, h * d) * torch.sigmoid(gate.reshape(t, h * d))
         return self.o_proj(out)
