@@ -98,6 +98,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--state-snapshot-interval", type=positive_int, default=256,
                    help="hybrid models: tokens between state snapshots (a multiple of block-size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the unseeded-request generator")
+    p.add_argument("--dequantize-gguf", action="store_true",
+                   help="GGUF: dequantize every tensor at load instead of keeping Q4/Q5/Q6/Q8 blocks packed")
     p.set_defaults(loads_model=True)
 
 
@@ -107,7 +109,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,
-                state_snapshot_interval=args.state_snapshot_interval)
+                state_snapshot_interval=args.state_snapshot_interval,
+                dequantize_gguf=getattr(args, "dequantize_gguf", False))
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

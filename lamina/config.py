@@ -27,6 +27,8 @@ class EngineConfig:
     num_state_snapshots: int | None = None
     state_snapshot_interval: int = 256
     tokenizer: str | None = None
+    # GGUF: dequantize every tensor at load (default: the supported block types stay packed).
+    dequantize_gguf: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -68,7 +69,9 @@ class CpuInt4Pack:
 
     @classmethod
     def build(cls, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> CpuInt4Pack:
-        q = unpack_int4(qweight).to(torch.int32)
+        # numpy: torch's uint8 arithmetic is ~15x slower on the CPU, and this runs once per layer at load.
+        b = qweight.numpy()
+        q = torch.from_numpy(np.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], -1).astype(np.int32))
         group = q.shape[1] // scales.shape[1]
         s, o = scales.float(), offsets.float()
         sz = torch.stack([s, o + 8 * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)

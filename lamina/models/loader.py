@@ -92,8 +92,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
-               max_positions: int, progress: bool = True) -> CausalLM:
-    model = build_model(cfg, dtype, device)
+               max_positions: int, progress: bool = True, keep_quantized: bool = True) -> CausalLM:
+    """keep_quantized: GGUF block types that have a weight format stay packed (False: dequantize all)."""
+    plan = None
+    if source.kind == "gguf" and keep_quantized:
+        from lamina.models.gguf_loader import gguf_plan
+
+        plan = gguf_plan(reader, cfg)
+    model = build_model(cfg, dtype, device, plan.choose if plan else None)
     if source.kind == "random":
         with torch.no_grad():
             for p in model.parameters():
@@ -103,7 +109,8 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     if source.kind == "gguf":
         from lamina.models.gguf_loader import hf_config_from_gguf, iter_gguf
 
-        tensors = iter_gguf(reader, hf_config_from_gguf(reader), dtype, device)
+        tensors = iter_gguf(reader, hf_config_from_gguf(reader), dtype, device,
+                            plan.packed if plan else frozenset())
         total = len(reader.tensors)
     else:
         from lamina.models.hf_loader import iter_safetensors
@@ -122,4 +129,7 @@ def _finalize(model: CausalLM) -> CausalLM:
     for m in model.modules():
         if isinstance(m, SparseMoE):
             m.fuse_shared_expert()
+        finish = getattr(getattr(m, "format", None), "finish_loading", None)
+        if finish is not None:  # a format's derived forms (the CPU layout of packed weights)
+            finish(m)
     return model
