@@ -15,7 +15,10 @@ from lamina.models.weight_formats import FormatChoice
 
 # method -> "module:function"; the function takes (quantization_config dict, ModelConfig) and returns a
 # FormatChoice. Entries are added by the format modules' authors (FP8 blocks, compressed-tensors, GPTQ, AWQ).
-CHOOSERS: Mapping[str, str] = {}
+CHOOSERS: Mapping[str, str] = {
+    "gptq": "lamina.models.weight_formats.int4_gptq:choose_gptq",
+    "awq": "lamina.models.weight_formats.int4_gptq:choose_awq",
+}
 
 ChooserFactory = Callable[[dict[str, Any], Any], FormatChoice]
 
