@@ -105,7 +105,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     from lamina.llm import LLM
 
     kwargs = {**engine_kwargs(args), "enable_prefix_caching": False,
-              "max_model_len": max(args.window, args.max_model_len or 0)}
+              "max_model_len": max(args.window + 1, args.max_model_len or 0)}  # a window plus one sampled token
     llm = LLM(**kwargs)
     tok = llm.get_tokenizer()
     if tok is None:
