@@ -36,13 +36,20 @@ class GPTQFormat(NativeInt4Format):
                 NativeTensor("g_idx", lambda k, n: (k,), torch.int32, None))
 
     def to_layout(self, layer: nn.Module):
-        q = unpack_int32(layer.qweight, 0).t()  # [N, K]
-        z = unpack_int32(layer.qzeros, 1).t().float() + (1 if self.zero_plus_one else 0)  # [N, K/G]
-        s = layer.scales.t().float()
-        perm = group_perm(self.shard_g_idx(layer, layer.g_idx, "g_idx"), self.group, "g_idx")
-        if perm is not None:
-            q = q[:, perm]
-        return q, s, -z * s, perm
+        g_idx = self.shard_g_idx(layer, layer.g_idx, "g_idx")
+        return gptq_layout(layer.qweight, layer.qzeros, layer.scales, g_idx, self.group, self.zero_plus_one)
+
+
+def gptq_layout(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                group: int, zero_plus_one: bool):
+    """One GPTQ weight -> (q [N, K] in the stored column order, scales, offsets [N, K/G], perm or None)."""
+    q = unpack_int32(qweight, 0).t()  # [N, K]
+    z = unpack_int32(qzeros, 1).t().float() + (1 if zero_plus_one else 0)  # [N, K/G]
+    s = scales.t().float()
+    perm = group_perm(g_idx, group, "g_idx")
+    if perm is not None:
+        q = q[:, perm]
+    return q, s, -z * s, perm
 
 
 class AWQFormat(NativeInt4Format):
@@ -88,8 +95,16 @@ def choose_gptq(quant_config: dict[str, Any], model_config: Any):
         raise ValueError("unsupported GPTQ group_size -1 (one group per row); supported: 32, 64, 128, ...")
     GPTQFormat(bits, group)  # refuses an unsupported bit width / group size now, before anything loads
     skip_head = not quant_config.get("lm_head", False)
-    return lambda name, module: GPTQFormat(bits, group, fmt == "gptq") if _quantized_linear(
-        name, module, skip_head) else None
+
+    def choose(name: str, module: nn.Module):
+        from lamina.models.layers.moe import FusedExperts
+        from lamina.models.weight_formats.int4_experts import GPTQExperts
+
+        if isinstance(module, FusedExperts):
+            return GPTQExperts(bits, group, fmt == "gptq")
+        return GPTQFormat(bits, group, fmt == "gptq") if _quantized_linear(name, module, skip_head) else None
+
+    return choose
 
 
 def choose_awq(quant_config: dict[str, Any], model_config: Any):
