@@ -140,12 +140,10 @@ def test_gptq_experts(act_order):
     layer = layer.to_empty(device="cpu")
     w13, w2 = [], []
     for x in range(e):
-        dense = {}
+        dense, g_idx = {}, {}
         for shard, (n, k) in (("gate", (i, h)), ("up", (i, h)), (None, (h, i))):
             q, z, s, g = random_quant(n, k, 32, seed=10 * x + len(dense), act_order=act_order)
-            if act_order and shard == "up":
-                g = gate_g  # gate and up share one input
-            gate_g = g
+            g = g_idx.setdefault(k if shard else "down", g)  # gate and up share one input: one order
             proj = "down_proj" if shard is None else "gate_up_proj"
             for name, t in gptq_tensors(q, z, s, g).items():
                 layer.weight_loaders[f"{proj}_{name}"].loader(layer, getattr(layer, f"{proj}_{name}"), t, shard, x)
