@@ -90,3 +90,13 @@ def test_builtin_packed_logprobs_and_greedy_match_dequantized(llms):
             top = sorted((p.logprob for p in want.logprobs[i].values()), reverse=True)[:2]
             assert top[0] - top[1] < 0.1, (i, a, b, top)
             break
+
+
+def test_a_type_nothing_can_load_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from lamina.models.gguf_loader import _dequantized
+
+    t = SimpleNamespace(name="blk.0.ffn_up.weight", tensor_type=T.Q8_1, data=np.zeros((2, 36), np.uint8))
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has type Q8_1.*kept quantized: Q4_0, Q4_1, Q4_K"):
+        _dequantized(t)
