@@ -64,8 +64,8 @@ def smollm2_cpu():
     """fp32 CPU greedy runs (the reference) with the top-2 logprobs of every step."""
     path = os.environ["LAMINA_SMOLLM2_GGUF"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    return LLM(model=path, dtype="float32", device="cpu", progress=False, dequantize_gguf=True).generate(SMOL_PROMPTS, params,
-                                                                                 use_tqdm=False)
+    llm = LLM(model=path, dtype="float32", device="cpu", progress=False, dequantize_gguf=True)
+    return llm.generate(SMOL_PROMPTS, params, use_tqdm=False)
 
 
 needs_smollm2 = pytest.mark.skipif(not os.environ.get("LAMINA_SMOLLM2_GGUF"),
