@@ -114,6 +114,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV pool entries: auto (the model dtype) or fp8 (e4m3, half the bytes of bf16: twice the "
                         "tokens) (default: auto)")
+    p.add_argument("--dequantize-gguf", action="store_true",
+                   help="GGUF: dequantize every tensor at load instead of keeping Q4/Q5/Q6/Q8 blocks packed")
     p.set_defaults(loads_model=True)
 
 
@@ -133,7 +135,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,
                 state_snapshot_interval=args.state_snapshot_interval, warmup=args.warmup,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                speculative_config=getattr(args, "speculative_config", None))
+                speculative_config=getattr(args, "speculative_config", None),
+                dequantize_gguf=getattr(args, "dequantize_gguf", False))
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

@@ -38,6 +38,8 @@ class EngineConfig:
     speculative_config: Any = None
     quantization: str | None = None  # online weight quantization of a dense checkpoint: "fp8"
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3, per-tensor scale 1.0)
+    # GGUF: dequantize every tensor at load (default: the supported block types stay packed).
+    dequantize_gguf: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

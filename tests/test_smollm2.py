@@ -24,7 +24,8 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", device="cpu", progress=False)
+    # The dequantized weights: HF runs the same fp32 values (the packed default is tested in test_gguf_packed.py).
+    return LLM(dtype="float32", device="cpu", progress=False, dequantize_gguf=True)
 
 
 def test_greedy_64_tokens_match_hf(llm, hf_model):

@@ -58,6 +58,9 @@ def add_bench_parser(sub, all_commands: bool = True) -> None:
     from lamina.bench.checkpoint import add_save_random_parser
 
     add_save_random_parser(bsub)
+    from lamina.bench.perplexity import add_perplexity_parser
+
+    add_perplexity_parser(bsub)
     if all_commands:
         from lamina.bench.kernels import add_kernel_bench_parser
         from lamina.bench.prefix import add_prefix_bench_parser

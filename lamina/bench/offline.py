@@ -76,7 +76,11 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     embed = model.model.embed_tokens.weight
     frac = _expert_params(model)
     total = sum(p.numel() * p.element_size() * frac.get(id(p), 1.0) for p in model.parameters() if p is not embed)
-    if model.lm_head.weight is embed:  # tied: the table is read whole by lm_head
+    # Packed weight formats keep their scales as buffers, read with the weights.
+    tied = model.lm_head.weight is embed
+    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("_scales", "_offsets"))
+                 and (tied or not n.startswith("model.embed_tokens.")))
+    if tied:  # the table is read whole by lm_head
         total += embed.numel() * embed.element_size()
     return int(total)
 
@@ -87,7 +91,8 @@ def state_bytes_per_token(model: torch.nn.Module, context_len: int, kv_dtype: to
     kv_dtype when the pool's differs from the model's, --kv-cache-dtype)."""
     from lamina.cache.state_layout import StateLayout
 
-    layout = StateLayout.collect(model.state_layers(), next(model.parameters()).dtype, kv_dtype)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() >= 2)
+    layout = StateLayout.collect(model.state_layers(), dtype, kv_dtype)  # the compute dtype, not a packed weight's
     state = 2 * layout.bytes_per_slot()
     kv = layout.kv_bytes_per_block(1) * context_len
     return state + kv

@@ -75,7 +75,8 @@ class CudaGraphRunner:
         self.inputs = GraphInputs(max(k.tokens for k in self.keys), max(k.seqs for k in self.keys), max_blocks,
                                   device, padding_slot)
         hidden_size = model.config.hidden_size
-        dtype = next(model.parameters()).dtype
+        # the compute dtype: the first 16/32-bit float parameter (packed or FP8 weights store other types)
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() >= 2)
         self.hidden = torch.zeros(self.inputs.max_tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.capture_s, self.capture_bytes = 0.0, 0  # set by capture()

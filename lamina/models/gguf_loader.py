@@ -90,18 +90,46 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(reader: GGUFReader, hf: dict[str, Any], dtype: torch.dtype,
-              device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_plan(reader: GGUFReader, cfg: Any):
+    """Which layers keep their GGUF blocks (weight_formats/gguf_format.py): the FormatChoice for
+    build_model and the names of the tensors iter_gguf must hand over as raw blocks."""
+    from lamina.models.registry import checkpoint_map_for
+    from lamina.models.weight_formats.gguf_format import plan_gguf
+
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    return plan_gguf(types, _hf_name, checkpoint_map_for(cfg), bool(cfg.tie_word_embeddings))
+
+
+def _dequantized(t: Any) -> np.ndarray:
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.asarray(t.data)
+    try:
+        return dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        from lamina.models.weight_formats.gguf_blocks import supported_names
+
+        raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which lamina cannot load; "
+                         f"kept quantized: {supported_names()}; dequantized: the other types the gguf "
+                         "package reads") from None
+
+
+def iter_gguf(reader: GGUFReader, hf: dict[str, Any], dtype: torch.dtype, device: torch.device,
+              packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every GGUF tensor: dequantized to `dtype`, except the names in `packed`, which
+    come as their raw blocks (uint8 [rows, bytes per row]) for the layer's GGUF weight format."""
     llama_like = hf["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM")
     gemma = hf["architectures"][0] in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     layer_names = _GEMMA_NAMES if gemma else _LAYER_NAMES
     for t in reader.tensors:
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            arr = np.asarray(t.data)
-        else:
-            arr = dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
-        arr = arr.reshape(shape)
+        raw = t.name in packed
+        if raw:
+            arr = np.asarray(t.data)
+            if arr.ndim != 2 or arr.shape[0] != shape[0]:
+                raise ValueError(f"GGUF tensor {t.name!r}: blocks {arr.shape} do not match its shape {shape}")
+        else:
+            arr = _dequantized(t).reshape(shape)
+        # Row permutations work on raw blocks too: a row is one output feature, its blocks run along K.
         if llama_like and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             arr = _unpermute(arr, hf["num_attention_heads"])
         elif llama_like and t.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -111,7 +139,8 @@ def iter_gguf(reader: GGUFReader, hf: dict[str, Any], dtype: torch.dtype,
         arr = np.ascontiguousarray(arr)
         if not arr.flags.writeable:  # unquantized tensors are read-only views of the mmap
             arr = arr.copy()
-        yield _hf_name(t.name, layer_names), torch.from_numpy(arr).to(device=device, dtype=dtype)
+        tensor = torch.from_numpy(arr)
+        yield _hf_name(t.name, layer_names), tensor.to(device=device) if raw else tensor.to(device=device, dtype=dtype)
 
 
 def open_gguf(path: Path) -> GGUFReader:

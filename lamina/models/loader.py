@@ -92,12 +92,23 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
-               max_positions: int, progress: bool = True, quantization: str | None = None) -> CausalLM:
+               max_positions: int, progress: bool = True, quantization: str | None = None,
+               keep_quantized: bool = True) -> CausalLM:
     """quantization: an online method (--quantization fp8) for a dense checkpoint; a checkpoint's own
-    quantization_config chooses its formats (an unsupported one is refused here, before any weight is read)."""
+    quantization_config chooses its formats (an unsupported one is refused here, before any weight is read).
+    keep_quantized: GGUF block types that have a weight format stay packed (False: dequantize all)."""
     from lamina.models.quantization import format_chooser
 
-    model = build_model(cfg, dtype, device, format_chooser(cfg.quantization_config, cfg, quantization))
+    plan = None
+    if source.kind == "gguf" and keep_quantized:
+        from lamina.models.gguf_loader import gguf_plan
+
+        if quantization is not None:
+            raise ValueError(f"a GGUF keeps its own quantization: drop --quantization {quantization}, or add "
+                             "--dequantize-gguf to quantize its dequantized weights")
+        plan = gguf_plan(reader, cfg)
+    choose = plan.choose if plan else format_chooser(cfg.quantization_config, cfg, quantization)
+    model = build_model(cfg, dtype, device, choose)
     if source.kind == "random":
         _random_weights(model)
         model.init_rope(max_positions)
@@ -105,7 +116,8 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     if source.kind == "gguf":
         from lamina.models.gguf_loader import hf_config_from_gguf, iter_gguf
 
-        tensors = iter_gguf(reader, hf_config_from_gguf(reader), dtype, device)
+        tensors = iter_gguf(reader, hf_config_from_gguf(reader), dtype, device,
+                            plan.packed if plan else frozenset())
         total = len(reader.tensors)
     else:
         from lamina.models.hf_loader import iter_safetensors
@@ -143,4 +155,7 @@ def _finalize(model: CausalLM) -> CausalLM:
     for m in model.modules():
         if isinstance(m, SparseMoE):
             m.fuse_shared_expert()
+        finish = getattr(getattr(m, "format", None), "finish_loading", None)
+        if finish is not None:  # a format's derived forms (the CPU layout of packed weights)
+            finish(m)
     return model

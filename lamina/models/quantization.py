@@ -18,6 +18,8 @@ from lamina.models.weight_formats import FormatChoice
 CHOOSERS: Mapping[str, str] = {
     "fp8": "lamina.models.weight_formats.fp8_choose:choose_fp8",
     "compressed-tensors": "lamina.models.weight_formats.compressed_tensors:choose_ct",
+    "gptq": "lamina.models.weight_formats.int4_gptq:choose_gptq",
+    "awq": "lamina.models.weight_formats.int4_gptq:choose_awq",
 }
 
 ChooserFactory = Callable[[dict[str, Any], Any], FormatChoice]

@@ -64,8 +64,8 @@ def smollm2_cpu():
     """fp32 CPU greedy runs (the reference) with the top-2 logprobs of every step."""
     path = os.environ["LAMINA_SMOLLM2_GGUF"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    return LLM(model=path, dtype="float32", device="cpu", progress=False).generate(SMOL_PROMPTS, params,
-                                                                                 use_tqdm=False)
+    llm = LLM(model=path, dtype="float32", device="cpu", progress=False, dequantize_gguf=True)
+    return llm.generate(SMOL_PROMPTS, params, use_tqdm=False)
 
 
 needs_smollm2 = pytest.mark.skipif(not os.environ.get("LAMINA_SMOLLM2_GGUF"),
@@ -74,7 +74,8 @@ needs_smollm2 = pytest.mark.skipif(not os.environ.get("LAMINA_SMOLLM2_GGUF"),
 
 @needs_smollm2
 def test_smollm2_fp32_gpu_greedy_matches_fp32_cpu(smollm2_cpu):
-    gpu = LLM(model=os.environ["LAMINA_SMOLLM2_GGUF"], dtype="float32", device="cuda", progress=False).generate(
+    gpu = LLM(model=os.environ["LAMINA_SMOLLM2_GGUF"], dtype="float32", device="cuda", progress=False,
+              dequantize_gguf=True).generate(
         SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for c, g in zip(smollm2_cpu, gpu):
         assert g.outputs[0].token_ids == c.outputs[0].token_ids
@@ -83,7 +84,8 @@ def test_smollm2_fp32_gpu_greedy_matches_fp32_cpu(smollm2_cpu):
 @needs_smollm2
 def test_smollm2_bf16_gpu_greedy_matches_fp32_cpu_until_a_near_tie(smollm2_cpu):
     """bf16 may flip a greedy choice only where fp32's top two tokens are closer than bf16 noise."""
-    gpu = LLM(model=os.environ["LAMINA_SMOLLM2_GGUF"], dtype="bfloat16", device="cuda", progress=False).generate(
+    gpu = LLM(model=os.environ["LAMINA_SMOLLM2_GGUF"], dtype="bfloat16", device="cuda", progress=False,
+              dequantize_gguf=True).generate(
         SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for c, g in zip(smollm2_cpu, gpu):
         ref, ours = c.outputs[0].token_ids, g.outputs[0].token_ids

@@ -1,0 +1,120 @@
+"""GPTQ MoE expert stacks: each expert's gate, up and down projections as GPTQ tensors (experts.N.gate_proj
+.qweight / qzeros / scales / g_idx; families/common.py maps them to gate_up_proj_qweight etc., expert N,
+shard "gate" | "up"), repacked after loading into stacked grouped-integer layouts:
+gate_up [E, 2I, H/2] and down [E, H, I/2] (uint8), their scales/offsets [E, rows, K/G], and per-expert
+act-order permutations.
+
+The matmul runs expert by expert over the tokens routed to it (kernels/wq_matmul.wq_linear: the Triton
+kernel on CUDA, the CPU int4 path or the reference otherwise); a grouped 4-bit MoE kernel is not written yet.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lamina.kernels.wq_matmul import wq_linear
+from lamina.models.weight_formats.base import ExpertFormat, clear_params, copy_checked, new_param, register_param
+from lamina.models.weight_formats.int4_gptq import gptq_layout
+from lamina.models.weight_formats.int4_groups import SCALE_DTYPE
+from lamina.models.weight_formats.int4_native import check_bits_group, pack_layout
+
+_PROJ = ("gate_up_proj", "down_proj")
+
+
+class GPTQExperts(ExpertFormat):
+    def __init__(self, bits: int, group: int, zero_plus_one: bool = True) -> None:
+        check_bits_group(bits, group)
+        self.bits, self.group, self.zero_plus_one = bits, group, zero_plus_one
+
+    def __repr__(self) -> str:
+        return f"GPTQExperts(bits={self.bits}, group={self.group})"
+
+    def create_params(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
+                      dtype: torch.dtype) -> None:
+        e, g = num_experts, self.group
+        for proj, (n, k), shards in (("gate_up_proj", (2 * intermediate, hidden), ("gate", "up")),
+                                     ("down_proj", (hidden, intermediate), ())):
+            check_bits_group(self.bits, g, k)
+            parts = tuple(f"{i}.{s}" if s else str(i) for i in range(e) for s in (shards or ("",)))
+            shapes = {"qweight": ((e, k // 8, n), torch.int32), "qzeros": ((e, k // g, n // 8), torch.int32),
+                      "scales": ((e, k // g, n), torch.float16),
+                      "g_idx": ((e, max(len(shards), 1), k), torch.int32)}
+            for name, (shape, dt) in shapes.items():
+                register_param(layer, f"{proj}_{name}", new_param(shape, dt), self._loader(proj, name), parts)
+
+    def _loader(self, proj: str, name: str):
+        def load(layer: nn.Module, param: torch.Tensor, tensor: torch.Tensor, shard: str | None = None,
+                 expert: int | None = None) -> None:
+            if expert is None or not 0 <= expert < layer.num_experts:
+                raise ValueError(f"{proj}_{name} loads one expert at a time (got expert {expert})")
+            if proj == "down_proj" and shard is not None:
+                raise ValueError(f"the down projection has no shard {shard!r}")
+            if proj == "gate_up_proj" and shard not in ("gate", "up"):
+                raise ValueError(f"expert {expert}'s gate|up needs shard gate or up (got {shard!r})")
+            target = param[expert]
+            what = f"expert {expert}'s {shard or 'down'} {name}"
+            half = 0 if shard in (None, "gate") else 1
+            if name == "g_idx":
+                target = target[half]
+            elif shard is not None:
+                n = target.shape[-1] // 2
+                target = target[..., half * n:(half + 1) * n]
+            copy_checked(target, tensor, what)
+
+        return load
+
+    @torch.no_grad()
+    def finish_loading(self, layer: nn.Module) -> None:
+        stacks = {}
+        for proj in _PROJ:
+            qs, ss, os_, perms = [], [], [], []
+            for i in range(layer.num_experts):
+                g_idx = getattr(layer, f"{proj}_g_idx")[i]
+                if any(not torch.equal(g_idx[0], g) for g in g_idx[1:]):
+                    raise ValueError(f"expert {i}: gate and up have different group orders")
+                q, s, o, perm = gptq_layout(getattr(layer, f"{proj}_qweight")[i], getattr(layer, f"{proj}_qzeros")[i],
+                                            getattr(layer, f"{proj}_scales")[i], g_idx[0], self.group,
+                                            self.zero_plus_one)
+                qs.append(pack_layout(q))
+                ss.append(s.to(SCALE_DTYPE))
+                os_.append(o.to(SCALE_DTYPE))
+                perms.append(perm)
+            stacks[proj] = (torch.stack(qs), torch.stack(ss), torch.stack(os_), perms)
+        clear_params(layer)
+        for proj, (q, s, o, perms) in stacks.items():
+            layer.register_parameter(proj, nn.Parameter(q, requires_grad=False))
+            layer.register_buffer(f"{proj}_scales", s)
+            layer.register_buffer(f"{proj}_offsets", o)
+            layer.__dict__[f"_{proj}_perms"] = perms
+
+    def _linear(self, layer: nn.Module, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        return wq_linear(x, getattr(layer, proj)[e], getattr(layer, f"{proj}_scales")[e],
+                         getattr(layer, f"{proj}_offsets")[e], self.bits, perm=layer.__dict__[f"_{proj}_perms"][e])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # No host-side routing counts inside a CUDA graph: every expert on every token, weighted by its
+            # routing weight (0 where not chosen). Correct and replayable, E times the work.
+            for e in range(layer.num_experts):
+                w = (topk_weights * (topk_ids == e)).sum(-1, keepdim=True).to(x.dtype)
+                gate, up = self._linear(layer, "gate_up_proj", e, x).chunk(2, dim=-1)
+                out += w * self._linear(layer, "down_proj", e, F.silu(gate) * up)
+            return out
+        flat = topk_ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=layer.num_experts).tolist()
+        tokens = order // topk_ids.shape[1]
+        weights = topk_weights.flatten()[order].to(x.dtype)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                idx = tokens[start:start + c]
+                h = self._linear(layer, "gate_up_proj", e, x[idx])
+                gate, up = h.chunk(2, dim=-1)
+                y = self._linear(layer, "down_proj", e, F.silu(gate) * up)
+                out.index_add_(0, idx, y * weights[start:start + c, None])
+            start += c
+        return out
