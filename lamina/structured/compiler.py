@@ -48,7 +48,7 @@ def build_grammar(spec: StructuredOutputsParams):
     ws = {"any_whitespace": not spec.disable_any_whitespace, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
     try:
         if kind == "json":
-            return xg.Grammar.from_json_schema(_schema_text(spec.json), **ws)
+            return xg.Grammar.from_json_schema(_schema_text(spec.json), strict_mode=spec.strict, **ws)
         if kind == "json_object":
             return xg.Grammar.from_json_schema('{"type": "object"}', **ws)
         if kind == "regex":

@@ -32,6 +32,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     structural_tag: str | None = None  # xgrammar's structural tag, as JSON text
     disable_any_whitespace: bool = False  # JSON: no whitespace beyond what the compact form needs
+    strict: bool = True  # JSON schema: properties it does not name may not appear (OpenAI's strict)
 
     def __post_init__(self) -> None:
         set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -46,7 +47,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple[str, str, bool, bool]:
         """A hashable identity of the constraint (the compile cache's key, with the tokenizer's)."""
         kind = self.kind
         value = getattr(self, kind)
@@ -56,7 +57,7 @@ class StructuredOutputsParams:
             value = json.dumps(value)
         elif kind == "json_object":
             value = ""
-        return kind, value, self.disable_any_whitespace
+        return kind, value, self.disable_any_whitespace, self.strict
 
     @classmethod
     def from_value(cls, value: StructuredOutputsParams | dict[str, Any] | None) -> StructuredOutputsParams | None:
