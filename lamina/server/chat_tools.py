@@ -7,7 +7,7 @@ from typing import Any
 
 from lamina.server.errors import bad_request
 from lamina.server.output_parsing import OutputParsing
-from lamina.server.protocol import ChatCompletionRequest
+from lamina.server.protocol import ChatCompletionRequest, check_constraint
 from lamina.server.reasoning import get_reasoning_parser
 from lamina.server.tools import (
     NamedToolParser,
@@ -80,6 +80,7 @@ def plan_chat(req: ChatCompletionRequest, tool_call_parser: str | None, auto_ena
     """The plan of one chat request; 400 for contradictory or malformed settings. Call set_prompt() with
     the rendered prompt's end once it is known."""
     parser, tool_constraint, forced = _tool_parsing(req, tool_call_parser, auto_enabled)
+    check_constraint(tool_constraint, "tools")  # a tool's parameters schema xgrammar cannot read
     constraints = [c for c in (tool_constraint, req.output_constraint()) if c is not None]
     if len(constraints) > 1:
         raise bad_request("a request may have one output constraint: a forced tool_choice, response_format or "

@@ -27,6 +27,19 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+def check_constraint(spec: StructuredOutputsParams | None, param: str) -> None:
+    """A 400 naming `param` for a schema, regex or grammar xgrammar cannot read (checked here too, not only
+    in the engine core, so the error names the field and the request never travels)."""
+    if spec is None:
+        return
+    from lamina.structured.compiler import build_grammar
+
+    try:
+        build_grammar(spec)
+    except StructuredOutputsError as e:
+        raise bad_request(str(e), param) from None
+
+
 class _Sampling(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
@@ -73,6 +86,8 @@ class _Sampling(_Body):
         response = self.response_constraint()
         if spec is not None and response is not None:
             raise bad_request("give either response_format or structured_outputs, not both", "response_format")
+        check_constraint(spec, "structured_outputs")
+        check_constraint(response, "response_format")
         return spec or response
 
     def response_constraint(self) -> StructuredOutputsParams | None:
