@@ -120,7 +120,11 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The chat template applied to messages (tools: function definitions the template renders;
+    template_kwargs: extra template variables such as enable_thinking)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     for m in messages:
@@ -128,7 +132,11 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], add_generation_pr
             raise ValueError("each message needs a 'role' and a string 'content'")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **extra)
     if hasattr(out, "keys"):
         out = out["input_ids"]
     return list(out)

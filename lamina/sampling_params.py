@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from lamina.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 # Stop strings are matched against each new piece of text of every sequence that has them: bounded so one
@@ -17,6 +20,8 @@ MAX_STOP_STRING_LEN = 256
 # Temperatures below this are greedy (dividing logits by them overflows to garbage).
 GREEDY_TEMPERATURE = 1e-5
 _INT64 = (-(2**63), 2**63 - 1)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on logit_bias values
+MAX_BAD_WORDS = 64
 
 
 class SamplingParamsError(ValueError):
@@ -58,6 +63,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Logits controls: added to the logits of these ids; only these ids may be sampled; never these words.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Tokenized bad words (the engine fills this from bad_words with its tokenizer; callers may give ids).
+    bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +78,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _int_keys(self.logit_bias)
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -108,7 +123,41 @@ class SamplingParams:
         id_max = vocab_size if vocab_size is not None else 2**63
         check(all(_is_int(t) and 0 <= t < id_max for t in self.stop_token_ids), "stop_token_ids",
               "stop_token_ids must be token ids" + (f" in [0, {vocab_size})" if vocab_size is not None else ""))
+        self._validate_controls(check, vocab_size)
+
+    def _validate_controls(self, check, vocab_size: int | None) -> None:
+        vocab = f" (the vocabulary has {vocab_size} tokens)" if vocab_size is not None else ""
+        id_max = vocab_size if vocab_size is not None else 2**63
+        for tok, bias in (self.logit_bias or {}).items():
+            check(_is_int(tok) and 0 <= tok < id_max, "logit_bias",
+                  f"logit_bias has token id {tok}, which is not in the vocabulary{vocab}")
+            check(_is_num(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+                  f"logit_bias for token id {tok} must be in [-100, 100], got {bias!r}")
+        if self.allowed_token_ids is not None:
+            check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0,
+                  "allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+            for tok in self.allowed_token_ids:
+                check(_is_int(tok) and 0 <= tok < id_max, "allowed_token_ids",
+                      f"allowed_token_ids has token id {tok}, which is not in the vocabulary{vocab}")
+        words = self.bad_words or []
+        check(isinstance(words, list) and all(isinstance(w, str) and w for w in words), "bad_words",
+              "bad_words must be a list of non-empty strings")
+        check(len(words) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} bad_words are allowed")
+        for ids in self.bad_words_token_ids or []:
+            check(isinstance(ids, list) and ids and all(_is_int(t) and 0 <= t < id_max for t in ids),
+                  "bad_words", f"bad word token ids must be non-empty lists of ids in the vocabulary{vocab}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _int_keys(bias: dict[Any, Any]) -> dict[int, float]:
+    """logit_bias keys arrive as strings from JSON: token ids."""
+    out = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = v
+        except (TypeError, ValueError):
+            raise SamplingParamsError(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
+    return out

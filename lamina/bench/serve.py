@@ -44,6 +44,9 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
     p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain every request's output to this JSON schema (structured_outputs.json); compare "
+                        "its TPOT with a run without it")
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent (and not counted) before each run")
     p.add_argument("--seed", type=int, default=0, help="prompts of sweep point i use seed + i")
     p.add_argument("--same-prompts", action="store_true", help="reuse the same prompts at every sweep point")
@@ -166,6 +169,15 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         fake_server.stop(procs)
 
 
+def request_extras(extra_body: str, json_schema: str | None) -> dict:
+    """--extra-body plus, with --json-schema, the schema as the request's structured output."""
+    extra = json.loads(extra_body)
+    if json_schema is not None:
+        with open(json_schema) as f:
+            extra["structured_outputs"] = {"json": json.load(f)}
+    return extra
+
+
 def _bench(args: argparse.Namespace, base_url: str) -> int:
     base = base_url.rstrip("/")
     if base.endswith("/v1"):
@@ -173,7 +185,7 @@ def _bench(args: argparse.Namespace, base_url: str) -> int:
     key_headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or _server_model(base, key_headers)
     target = Target(base, model, args.endpoint, args.api_key, args.ignore_eos, args.temperature,
-                    json.loads(args.extra_body))
+                    request_extras(args.extra_body, args.json_schema))
     runs: list[RunSummary] = []
     for i, conc in enumerate(parse_concurrency(args.max_concurrency)):
         # Fresh prompts for each sweep point (drawn the same way): a server's prefix cache must not turn the

@@ -34,6 +34,7 @@ from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
 from lamina.spec.accept import accepted_on_device
 from lamina.spec.build import build_spec_decoder
+from lamina.structured.manager import StructuredOutputManager
 
 log = logging.getLogger("lamina")
 
@@ -92,6 +93,9 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.detokenizer = DeferredTokenText()  # logprob entries' decoded_token: filled on the output side
         self.spec = build_spec_decoder(config.speculative_config, self)  # None without speculative decoding
+        # Grammars (compiled off the step loop) and the host-side token masks of constrained rows.
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab or self.model_config.vocab_size,
+                                                  self.eos_token_ids, self.device)
         self.groups: dict[str, RequestGroup] = {}
         self._seq_ids = itertools.count()
         # Streaming callers (the server, chat) want every step's progress; offline batch generation only
@@ -140,6 +144,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate(self.model_config.vocab_size)  # ids and top_k against the vocabulary
+        self.structured.prepare(params)  # a bad schema, regex or grammar fails here (400)
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -158,13 +163,32 @@ class LLMEngine:
             seqs.append(seq)
         group = RequestGroup(request_id, text, seqs)
         self.groups[request_id] = group
+        if self.structured.hold(group):  # scheduled once its grammar is compiled (see _admit_held)
+            return
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _admit_held(self, touched: dict[str, RequestGroup]) -> None:
+        """Schedules the requests whose grammars finished compiling (fails those that could not compile)."""
+        idle = not self.scheduler.running and not self.scheduler.waiting and self.in_flight is None
+        for group, error in self.structured.ready(idle):
+            if group.request_id not in self.groups:
+                continue
+            if error is not None:
+                group.error = error
+                for seq in group.seqs:
+                    seq.finish_reason = "error"
+                    self.scheduler.finish(seq)
+                touched[group.request_id] = group
+                continue
+            for seq in group.seqs:
+                self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        self.structured.discard(request_id)
         for seq in group.seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
@@ -224,14 +248,15 @@ class LLMEngine:
         takes the pending tokens straight from the device), so host work overlaps device work. A sequence
         that stopped on the late token wasted one token of compute, which is discarded.
         """
+        touched: dict[str, RequestGroup] = {}
+        self._admit_held(touched)
         if self.spec is not None:  # drafts for the sequences about to decode (the scheduler budgets them)
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
-        touched: dict[str, RequestGroup] = {}
         launched = None
         if sched.scheduled:
             try:
-                launched = self._launch(sched.scheduled)
+                launched = self._launch(sched.scheduled, touched)
             except Exception as exc:  # one request's failure must not fail the others: isolate it
                 self.num_step_failures += 1
                 if self.state_pool is not None:
@@ -277,7 +302,7 @@ class LLMEngine:
             if not part:
                 continue
             try:
-                flight = self._launch(part)
+                flight = self._launch(part, touched)
             except Exception as sub:
                 self._isolate(part, sub, touched)
             else:
@@ -299,7 +324,7 @@ class LLMEngine:
                     self.scheduler.finish(s)
             touched[group.request_id] = group
 
-    def _launch(self, scheduled: list[ScheduledSeq]) -> InFlight:
+    def _launch(self, scheduled: list[ScheduledSeq], touched: dict[str, RequestGroup] | None = None) -> InFlight:
         """Builds, runs and samples one step. Raises before changing any sequence if the batch, the
         forward or the sampler fails (so the step can be retried); then commits the step's bookkeeping."""
         prev = self.in_flight
@@ -307,7 +332,16 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         draws = None
         if batch.sampled:
-            draws = self.sampler.sample(batch.sampled_logits(logits), batch.sampled, batch.sampling, batch.offsets)
+            mask = None
+            if self.structured.constrains(batch.sampled):
+                # The mask depends on the tokens of the step in flight: read them back now, while this
+                # forward runs (its inputs already took them on the device), then fill the mask on the host.
+                if self.in_flight is not None:
+                    self.in_flight = None
+                    self._resolve(prev, touched if touched is not None else {})
+                mask = self.structured.bitmask(batch.sampled, batch.offsets)
+            draws = self.sampler.sample(batch.sampled_logits(logits), batch.sampled, batch.sampling, batch.offsets,
+                                        bitmask=mask)
         for i, item in enumerate(scheduled):
             seq = item.seq
             if seq.needs_prompt_logprobs():  # rare: reads logits on the host right away (idempotent on retry)
@@ -320,6 +354,10 @@ class LLMEngine:
         sampled = []
         for item in scheduled:
             seq = item.seq
+            if seq.finished:  # stopped by the step read back early (see _launch): its rows are discarded
+                if item.num_sampled:
+                    sampled.append((seq, seq.num_tokens, item.num_sampled))
+                continue
             seq.num_computed_tokens += item.num_tokens
             # Registered now, not when read back: the next step may already reuse these blocks, and the
             # device runs steps in order. Tokens still in flight are never hashed.
@@ -383,6 +421,8 @@ class LLMEngine:
         for j, token in enumerate(tokens):
             pos = idx + j
             seq.token_ids[pos] = token
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             if seq.logprobs is not None:
                 seq.logprobs.append(sample_logprobs(result, row0 + j, token, self.detokenizer))
                 seq.cumulative_logprob += result.chosen_logprobs[row0 + j]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from lamina.outputs import PositionLogprobs
 from lamina.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    grammar: Any = None  # lamina.structured.state.GrammarState of a structured-output request
 
     @property
     def num_tokens(self) -> int:

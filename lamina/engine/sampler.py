@@ -24,6 +24,7 @@ from lamina.engine.sampling_metadata import (
     row_key,
     to_device,
 )
+from lamina.structured.bitmask import apply_bitmask
 
 __all__ = ["SampleTensors", "Sampler", "SamplerOutput", "exponential_noise", "needs_history", "row_key"]
 
@@ -51,7 +52,9 @@ def exponential_noise_at(keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise [R, K] at vocab indices idx [R, K] (or [1, K]): a pure function of (key, index), so a
     candidate set sees exactly the values the full vocabulary would."""
     x = _mix32(((idx * 0x9E3779B1) & 0xFFFF_FFFF) ^ keys[:, None])
-    u = (x.float() + 0.5) * (1.0 / 4294967296.0)
+    # 23 bits, so (x + 0.5) / 2^23 is exact in float32 and strictly below 1: the noise is never 0 (a masked
+    # token, exp(-inf) = 0, divided by zero noise would be NaN and win the argmax).
+    u = ((x >> 9).float() + 0.5) * (1.0 / 8388608.0)
     return -torch.log(u)
 
 
@@ -85,6 +88,15 @@ def _penalize_late(logits: torch.Tensor, m: SamplingMetadata) -> None:
     vals = torch.where(was_seen, vals, torch.where(vals > 0, vals / rep, vals * rep))
     vals = vals - m.late_frequency - torch.where(was_out, 0.0, m.late_presence)
     logits[m.late_row, tok] = vals
+
+
+def _keep_only(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    """allowed_token_ids: rows named in `rows` keep only their (row, token) pairs; in place."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[rows, tokens] = True
+    limited = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    limited[rows] = True
+    logits.masked_fill_(limited[:, None] & ~keep, float("-inf"))
 
 
 def _sort_filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -174,20 +186,29 @@ class Sampler:
         return _race(xs, noise, log_min_p)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], meta: SamplingMetadata | None = None,
-               offsets: list[int] | None = None) -> SampleTensors:
+               offsets: list[int] | None = None, bitmask: torch.Tensor | None = None) -> SampleTensors:
         """Draws one token per row of logits (row r for seqs[r], at offsets[r] among its sequence's sampled
-        rows); everything stays on the device. meta: the step's metadata, if the caller shipped it already."""
+        rows); everything stays on the device. meta: the step's metadata, if the caller shipped it already.
+        bitmask: int32 [rows, ceil(vocab / 32)] on the device, bit t of row r set where token t may be
+        sampled (structured output); None: no row is masked."""
         logits = logits.float()
         m = meta if meta is not None else to_device(self.arrays(seqs, offsets, logits.shape[1]), seqs, logits.device)
         raw = logits
-        if m.pen_row.shape[0] or m.late_row.shape[0] or m.ban_row.shape[0]:
+        if (m.pen_row.shape[0] or m.late_row.shape[0] or m.ban_row.shape[0] or m.bias_row.shape[0]
+                or m.allow_row.shape[0] or bitmask is not None):
             logits = logits.clone()  # penalties edit in place; the raw logits stay for logprobs
             if m.pen_row.shape[0]:
                 _penalize(logits, m)
             if m.late_row.shape[0]:
                 _penalize_late(logits, m)
+            if m.bias_row.shape[0]:
+                logits.index_put_((m.bias_row, m.bias_token), m.bias_value, accumulate=True)
+            if m.allow_row.shape[0]:
+                _keep_only(logits, m.allow_row, m.allow_token)
             if m.ban_row.shape[0]:
                 logits[m.ban_row, m.ban_token] = float("-inf")
+            if bitmask is not None:
+                apply_bitmask(logits, bitmask)
         tokens = logits.argmax(dim=-1)
         if not m.all_greedy:
             x = logits / m.temperature[:, None]

@@ -65,6 +65,12 @@ class SamplingArrays:
     late_frequency: np.ndarray  # float32 [Q]
     ban_row: np.ndarray  # int64 [N] (row, token) pairs banned below min_tokens
     ban_token: np.ndarray  # int64 [N]
+    # Logits controls: logit_bias entries, and the tokens rows with allowed_token_ids may sample.
+    bias_row: np.ndarray  # int64 [B]
+    bias_token: np.ndarray  # int64 [B]
+    bias_value: np.ndarray  # float32 [B]
+    allow_row: np.ndarray  # int64 [A]
+    allow_token: np.ndarray  # int64 [A]
     logprob_rows: np.ndarray  # int64 [L] rows that asked for logprobs
     filtered_rows: np.ndarray  # int64: non-greedy rows with top-k or top-p
     unfiltered_rows: np.ndarray  # int64: non-greedy rows without
@@ -95,6 +101,11 @@ class SamplingMetadata:
     late_frequency: torch.Tensor
     ban_row: torch.Tensor
     ban_token: torch.Tensor
+    bias_row: torch.Tensor
+    bias_token: torch.Tensor
+    bias_value: torch.Tensor
+    allow_row: torch.Tensor
+    allow_token: torch.Tensor
     logprob_rows: torch.Tensor
     filtered_rows: torch.Tensor
     unfiltered_rows: torch.Tensor
@@ -137,6 +148,8 @@ def build_arrays(rows: list[Sequence], offsets: list[int] | None, eos: list[int]
     ban_row: list[int] = []
     ban_token: list[int] = []
     lp_rows: list[int] = []
+    bias: list[tuple[int, int, float]] = []
+    allow: list[tuple[int, int]] = []
     late: list[tuple[int, int, int]] = []  # (row, draws row, index into pen params)
     for r, (seq, off) in enumerate(zip(rows, offs)):
         p = seq.params
@@ -179,6 +192,14 @@ def build_arrays(rows: list[Sequence], offsets: list[int] | None, eos: list[int]
             ban_token += banned
         if p.logprobs is not None:
             lp_rows.append(r)
+        if p.logit_bias:
+            bias += [(r, t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab]
+        if p.allowed_token_ids:
+            allow += [(r, t) for t in dict.fromkeys(p.allowed_token_ids) if 0 <= t < vocab]
+        if p.bad_words_token_ids:  # one-token bad words: always banned (longer ones: the host bitmask)
+            single = {w[0] for w in p.bad_words_token_ids if len(w) == 1 and 0 <= w[0] < vocab}
+            ban_row += [r] * len(single)
+            ban_token += sorted(single)
     pen = _distinct_history(pen_rows, hist_lens, hist_prompt, hist_tokens, vocab)
     row_params = [np.asarray(x, np.float32) for x in (rep, pres, freq)]
     late_a = np.asarray(late, np.int64).reshape(-1, 3)
@@ -186,7 +207,10 @@ def build_arrays(rows: list[Sequence], offsets: list[int] | None, eos: list[int]
         temp, greedy, top_k, top_p, log_min_p, keys, seeded,
         np.asarray(pen_rows, np.int64)[pen[0]], pen[1], pen[2], *(x[pen[0]] for x in row_params),
         late_a[:, 0].copy(), late_a[:, 1].copy(), *(x[late_a[:, 2]] for x in row_params),
-        np.asarray(ban_row, np.int64), np.asarray(ban_token, np.int64), np.asarray(lp_rows, np.int64),
+        np.asarray(ban_row, np.int64), np.asarray(ban_token, np.int64),
+        np.asarray([b[0] for b in bias], np.int64), np.asarray([b[1] for b in bias], np.int64),
+        np.asarray([b[2] for b in bias], np.float32), np.asarray([a[0] for a in allow], np.int64),
+        np.asarray([a[1] for a in allow], np.int64), np.asarray(lp_rows, np.int64),
         np.flatnonzero(~greedy & ((top_k < vocab) | (top_p < 1.0))),
         np.flatnonzero(~greedy & (top_k >= vocab) & (top_p >= 1.0)), vocab)
 

@@ -1,6 +1,8 @@
-"""POST /v1/chat/completions: the model's chat template turns the messages into one prompt with n samples."""
+"""POST /v1/chat/completions: the model's chat template turns the messages (and tools) into one prompt with
+n samples; the output is read back as reasoning, content and tool calls (chat_tools.plan_chat)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -11,7 +13,9 @@ from starlette.background import BackgroundTask
 
 from lamina.llm import chat_prompt_ids
 from lamina.outputs import CompletionOutput
+from lamina.server.chat_tools import ChatPlan, plan_chat, stream_tool_calls, tool_call_dict
 from lamina.server.errors import bad_request
+from lamina.server.output_parsing import ChoiceStreamer
 from lamina.server.protocol import ChatCompletionRequest
 from lamina.server.responses import (
     ChatChoice,
@@ -38,28 +42,45 @@ from lamina.server.serving import (
     start_requests,
 )
 
+PROMPT_TAIL_TOKENS = 16  # enough of the prompt's end to see whether the template opened a think block
 
-def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+
+def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool, tools=None,
+                template_kwargs=None) -> list[int]:
     try:
-        return chat_prompt_ids(state.need_tokenizer("messages"), messages, add_generation_prompt)
+        return chat_prompt_ids(state.need_tokenizer("messages"), messages, add_generation_prompt, tools,
+                               template_kwargs)
     except (ValueError, TypeError, KeyError, TemplateError) as e:  # templates raise on roles they reject
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+
+
+def _finish(plan: ChatPlan, finish: str | None, num_calls: int) -> str | None:
+    # OpenAI: "tool_calls" when the model chose to call (auto, required); a named choice stays "stop".
+    if finish == "stop" and num_calls and plan.forced_name is None:
+        return "tool_calls"
+    return finish
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     req.check_supported()
     check_num_seqs(1, req.n)
-    ids = chat_prompt(state, req.template_messages(), req.add_generation_prompt)
+    plan = plan_chat(req, state.tool_call_parser, state.enable_auto_tool_choice, state.reasoning_parser)
+    ids = chat_prompt(state, req.template_messages(), req.add_generation_prompt, plan.tools, req.chat_template_kwargs)
+    if plan.reasoning_parser:
+        plan.set_prompt(state.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
     state.check_max_tokens(len(ids), req.max_output_tokens)
     max_tokens = req.max_output_tokens  # unset: the model's default (shortened to fit) or all the room left
     if max_tokens is None:
         max_tokens = state.sampling_defaults.get("max_tokens")
-    params = req.sampling_params(max_tokens, req.num_logprobs, state.sampling_defaults, state.vocab_size)
+    params = req.sampling_params(max_tokens, req.num_logprobs, state.sampling_defaults, state.vocab_size,
+                                 plan.constraint)
+    if plan.keep_special_tokens:  # the tool-call markers are special tokens: keep them for the parser
+        params = dataclasses.replace(params, skip_special_tokens=False)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, raw, [ids], params, request_id, param="messages")
     if req.stream:
-        return StreamingResponse(_stream(req, state, streams, request_id, len(ids)),
+        return StreamingResponse(_stream(req, plan, state, streams, request_id, len(ids)),
                                  media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
     try:
@@ -71,29 +92,45 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
         lp = None
         if req.logprobs and comp.logprobs is not None:
             lp = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0)
-        choices.append(ChatChoice(index=comp.index, message=ChatMessageOut(content=comp.text), logprobs=lp,
-                                  finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+        message, finish = ChatMessageOut(content=comp.text), comp.finish_reason
+        if plan.parsing.active:
+            p = plan.parsing.parse(comp.text)
+            calls = [tool_call_dict(c.id, c.name, c.arguments) for c in p.tool_calls] or None
+            message = ChatMessageOut(content=p.content, reasoning=p.reasoning, reasoning_content=p.reasoning,
+                                     tool_calls=calls)
+            finish = _finish(plan, finish, len(p.tool_calls))
+        choices.append(ChatChoice(index=comp.index, message=message, logprobs=lp, finish_reason=finish,
+                                  stop_reason=comp.stop_reason))
     usage = Usage.of(len(ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
     body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
     return JSONResponse(body.model_dump())
 
 
-def _delta(req: ChatCompletionRequest, comp: CompletionOutput, sent: Sent) -> ChatStreamChoice | None:
+def _delta(req: ChatCompletionRequest, plan: ChatPlan, comp: CompletionOutput, sent: Sent,
+           streamer: ChoiceStreamer | None) -> ChatStreamChoice | None:
     n_tok = len(comp.token_ids)
-    text = comp.text[sent.text:]
     lp = None
     if req.logprobs and comp.logprobs is not None and n_tok > sent.tokens:
         # Bound by the token count: the engine thread may already have appended the next position.
         lp = chat_logprobs(comp.token_ids[sent.tokens:], comp.logprobs[sent.tokens:n_tok], req.top_logprobs or 0)
     finish = comp.finish_reason
-    if not text and lp is None and finish is None:
+    if streamer is None:
+        text = comp.text[sent.text:]
+        delta, news = Delta(content=text or None), bool(text)
+    else:
+        d = streamer.feed(comp.text, final=finish is not None)
+        delta = Delta(content=d.content or None, reasoning=d.reasoning or None, reasoning_content=d.reasoning or None,
+                      tool_calls=stream_tool_calls(d.tool_calls))
+        finish, news = _finish(plan, finish, streamer.num_calls), bool(d)
+    if not news and lp is None and finish is None:
         return None
     sent.text, sent.tokens, sent.done = len(comp.text), n_tok, finish is not None
-    return ChatStreamChoice(index=comp.index, delta=Delta(content=text or None), logprobs=lp,
-                            finish_reason=finish, stop_reason=comp.stop_reason)
+    return ChatStreamChoice(index=comp.index, delta=delta, logprobs=lp, finish_reason=finish,
+                            stop_reason=comp.stop_reason)
 
 
-async def _stream(req: ChatCompletionRequest, state: ServerState, streams, request_id: str, num_prompt: int):
+async def _stream(req: ChatCompletionRequest, plan: ChatPlan, state: ServerState, streams, request_id: str,
+                  num_prompt: int):
     created = int(time.time())
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
@@ -101,14 +138,15 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, streams, reque
                                        usage=usage))
 
     sent = {i: Sent() for i in range(req.n)}
+    streamers = {i: plan.parsing.streamer() if plan.parsing.active else None for i in range(req.n)}
     final = None
     try:
         # OpenAI opens every choice with the role before any content.
         yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(req.n)])
         async for _, out in merge(streams):
             final = out
-            choices = [c for c in (_delta(req, comp, sent[comp.index]) for comp in out.outputs
-                                   if not sent[comp.index].done) if c is not None]
+            choices = [c for c in (_delta(req, plan, comp, sent[comp.index], streamers[comp.index])
+                                   for comp in out.outputs if not sent[comp.index].done) if c is not None]
             if choices:
                 yield chunk(choices)
         if req.include_usage and final is not None:

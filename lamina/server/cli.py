@@ -39,9 +39,22 @@ def add_serve_parser(sub) -> None:
                    help="seconds a request may take to send its body, once its headers are in (then a 408)")
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (default: off; behind --api-key when one is set)")
+    add_output_parsing_args(p)
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
+
+
+def add_output_parsing_args(p) -> None:
+    from lamina.server.reasoning import PARSERS as REASONING
+    from lamina.server.tools import PARSERS as TOOLS
+
+    p.add_argument("--tool-call-parser", choices=sorted(TOOLS), default=None,
+                   help="how the model writes tool calls (needed for tool_choice 'auto')")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice 'auto'; needs --tool-call-parser)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING), default=None,
+                   help="split <think>...</think> into the message's reasoning (and reasoning_content)")
 
 
 def _interrupt(sig: int, frame) -> None:
@@ -65,6 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         log.error("--shutdown-timeout must be >= 0")
         return 2
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        log.error("--enable-auto-tool-choice needs --tool-call-parser")
+        return 2
     sock = bind_socket(args.host, args.port)  # a port in use fails now, not after loading the model
     defaults = model_defaults(args.model, args.generation_config)
     names = args.served_model_name or [args.model]
@@ -81,6 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+    state.tool_call_parser, state.enable_auto_tool_choice = args.tool_call_parser, args.enable_auto_tool_choice
+    state.reasoning_parser = args.reasoning_parser
     options = ServerOptions(max_body_bytes=int(args.max_request_body_mb * 2**20), body_timeout=args.body_timeout,
                             enable_docs=args.enable_docs)
     app = build_app(state, options)

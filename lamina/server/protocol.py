@@ -5,12 +5,17 @@ values are rejected (400) by pydantic here or by SamplingParams.validate.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from lamina.sampling_params import MAX_LOGPROBS, SamplingParams
 from lamina.server.errors import bad_request
+from lamina.structured.params import StructuredOutputsError, StructuredOutputsParams
+
+# vLLM's older per-kind fields (before `structured_outputs`), still sent by many clients.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class _Body(BaseModel):
@@ -20,6 +25,19 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+def check_constraint(spec: StructuredOutputsParams | None, param: str) -> None:
+    """A 400 naming `param` for a schema, regex or grammar xgrammar cannot read (checked here too, not only
+    in the engine core, so the error names the field and the request never travels)."""
+    if spec is None:
+        return
+    from lamina.structured.compiler import build_grammar
+
+    try:
+        build_grammar(spec)
+    except StructuredOutputsError as e:
+        raise bad_request(str(e), param) from None
 
 
 class _Sampling(_Body):
@@ -45,10 +63,55 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint: response_format, `structured_outputs` or the older
+        guided_* fields (at most one of them); 400 if malformed. Chat's forced tool choices come on top."""
+        guided = {kind: getattr(self, f) for f, kind in _GUIDED.items() if getattr(self, f) is not None}
+        if self.structured_outputs is not None and guided:
+            raise bad_request("give either structured_outputs or the guided_* fields, not both", "structured_outputs")
+        value = self.structured_outputs if self.structured_outputs is not None else (guided or None)
+        try:
+            spec = StructuredOutputsParams.from_value(value)
+        except StructuredOutputsError as e:
+            raise bad_request(str(e), "structured_outputs") from None
+        response = self.response_constraint()
+        if spec is not None and response is not None:
+            raise bad_request("give either response_format or structured_outputs, not both", "response_format")
+        check_constraint(spec, "structured_outputs")
+        check_constraint(response, "response_format")
+        return spec or response
+
+    def response_constraint(self) -> StructuredOutputsParams | None:
+        """response_format as a constraint: json_object, or json_schema (its `strict` decides whether
+        properties the schema does not name may appear)."""
+        rf = self.response_format
+        if not rf or rf.get("type", "text") == "text":
+            return None
+        kind = rf.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise bad_request("response_format json_schema needs a json_schema object", "response_format")
+            schema = spec.get("schema", spec.get("json_schema"))
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                  "response_format")
+            return StructuredOutputsParams(json=schema, strict=bool(spec.get("strict", True)))
+        raise bad_request(f"unsupported response_format type {kind!r}: use text, json_object or json_schema",
+                          "response_format")
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -57,9 +120,13 @@ class _Sampling(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None,
-                        vocab_size: int | None = None) -> SamplingParams:
+                        vocab_size: int | None = None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's settings; a field it leaves unset takes the model's default (generation config),
-        else OpenAI's. Checked against the vocabulary when vocab_size is given (400 naming the field)."""
+        else OpenAI's. Checked against the vocabulary when vocab_size is given (400 naming the field).
+        constraint: the structured-output constraint (default: output_constraint())."""
+        if constraint is None:
+            constraint = self.output_constraint()
         d = defaults or {}
 
         def pick(value: Any, name: str, fallback: Any) -> Any:
@@ -75,7 +142,8 @@ class _Sampling(_Body):
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, structured_outputs=constraint)
             params.validate(vocab_size)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), getattr(e, "param", None)) from None
@@ -125,6 +193,25 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning: str | None = None  # an assistant turn's reasoning (vLLM's name)
+    reasoning_content: str | None = None  # the same, by DeepSeek's name
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: arguments of calls as objects (HF templates render
+        them with tojson), the call id on tool turns."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            out["reasoning_content"] = out["reasoning"] = reasoning
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -138,6 +225,19 @@ class ChatMessage(_Body):
         return "\n".join(parts)
 
 
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if not isinstance(fn.get("name"), str):
+        raise bad_request("each tool call needs function.name", "messages")
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad_request(f"tool call arguments are not JSON: {args[:80]!r}", "messages") from None
+    return {**call, "type": call.get("type", "function"), "function": fn}
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -145,16 +245,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 
@@ -166,8 +263,8 @@ class ChatCompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
 
 
 class TokenizeRequest(_Body):

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from lamina.outputs import Logprob, PositionLogprobs
 
@@ -65,9 +65,29 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+_OPTIONAL = ("tool_calls", "reasoning", "reasoning_content")
+
+
+def _without_unset(data: dict[str, Any]) -> dict[str, Any]:
+    # Optional parts appear only when present, as in OpenAI's bodies (content stays, even when null).
+    for k in _OPTIONAL:
+        if data.get(k) is None:
+            data.pop(k, None)
+    return data
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # Tool calls ({"id", "type": "function", "function": {"name", "arguments"}}) and the reasoning split off
+    # by a reasoning parser, under vLLM's name and DeepSeek's.
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_unset(handler(self))
 
 
 class ChatChoice(BaseModel):
@@ -90,6 +110,13 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's streamed shape (chat_tools.stream_tool_calls)
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_unset(handler(self))
 
 
 class ChatStreamChoice(BaseModel):

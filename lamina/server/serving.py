@@ -33,6 +33,10 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's generation config
+    # Output parsing (vLLM's --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     @property
     def model_name(self) -> str:

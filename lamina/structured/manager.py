@@ -1,0 +1,156 @@
+"""The engine's side of structured output and of the logits controls that need the newest tokens.
+
+The engine asks, per request, whether it must wait for a grammar (hold / ready), and per step whether
+any sampled row is constrained by host state (constrains); if so it reads the step in flight back
+first (its tokens advance the grammars) and gets the step's bitmask from here, filled on the host while
+the forward runs, shipped in one non-blocking copy, applied inside the sampler.
+
+Rows constrained by host state: a grammar (xgrammar matcher), or multi-token bad words (the last token
+of a bad word is banned when the output ends with the rest of it).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from lamina.engine.request import RequestGroup, Sequence
+from lamina.sampling_params import SamplingParams
+from lamina.structured.bitmask import BitmaskBuffers
+from lamina.structured.state import GrammarState
+
+log = logging.getLogger("lamina")
+IDLE_WAIT_S = 0.005  # how long an engine with nothing else to run waits for a grammar per step
+
+
+def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, alone and after a space (how it appears mid-text), deduplicated."""
+    out: list[list[int]] = []
+    for w in words:
+        for variant in (w, " " + w.lstrip()):
+            ids = list(tokenizer(variant, add_special_tokens=False).input_ids)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def multi_token_bad_words(params: SamplingParams) -> list[list[int]]:
+    return [w for w in params.bad_words_token_ids or [] if len(w) > 1]
+
+
+@dataclass
+class _Held:
+    group: RequestGroup
+    future: cf.Future
+    states: list = field(default_factory=list)
+
+
+class StructuredOutputManager:
+    """Owns the grammar compiler (built on the first constrained request) and the requests waiting for
+    their grammars. Not thread-safe: the engine's thread calls it."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.device = device
+        self._compiler = None
+        self._held: dict[str, _Held] = {}
+        self._buffers = BitmaskBuffers(vocab_size, device)
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            from lamina.structured.compiler import GrammarCompilerService
+
+            self._compiler = GrammarCompilerService(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._compiler
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Checks a new request's constraint (StructuredOutputsError, a ValueError, if invalid) and fills
+        the bad words' token ids."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need the model's tokenizer")
+            params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
+        if params.structured_outputs is not None:
+            self.compiler.check(params.structured_outputs)
+
+    def hold(self, group: RequestGroup) -> bool:
+        """Starts compiling the group's grammar; True if it must wait (ready() releases it), False if its
+        sequences have their grammar states and can be scheduled now."""
+        spec = group.seqs[0].params.structured_outputs
+        if spec is None:
+            return False
+        fut = self.compiler.submit(spec)
+        if fut.done() and fut.exception() is None:
+            self._attach(group, fut.result())
+            return False
+        self._held[group.request_id] = _Held(group, fut)
+        return True
+
+    @staticmethod
+    def _attach(group: RequestGroup, compiled) -> None:
+        for seq in group.seqs:
+            seq.grammar = GrammarState(compiled)
+
+    def ready(self, idle: bool) -> list[tuple[RequestGroup, str | None]]:
+        """Held groups whose grammar is done: (group, None) with states attached, or (group, error).
+        idle: the engine has nothing else to run, so wait a little instead of spinning."""
+        if not self._held:
+            return []
+        if idle:
+            cf.wait([h.future for h in self._held.values()], IDLE_WAIT_S, cf.FIRST_COMPLETED)
+        out = []
+        for rid in [r for r, h in self._held.items() if h.future.done()]:
+            h = self._held.pop(rid)
+            exc = h.future.exception()
+            if exc is not None:
+                log.error("grammar compilation failed for %s: %s", rid, exc)
+                out.append((h.group, f"grammar compilation failed: {exc}"))
+                continue
+            self._attach(h.group, h.future.result())
+            out.append((h.group, None))
+        return out
+
+    def discard(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    @staticmethod
+    def constrains(rows: list[Sequence]) -> bool:
+        return any(s.grammar is not None or multi_token_bad_words(s.params) for s in rows)
+
+    def bitmask(self, rows: list[Sequence], offsets: list[int]) -> torch.Tensor:
+        """The step's bitmask on the device, one row per sampled row (all allowed where unconstrained).
+        The sequences' tokens must all be known (no step in flight)."""
+        host = self._buffers.host(len(rows))
+        r = 0
+        while r < len(rows):
+            seq = rows[r]
+            n = 1
+            while r + n < len(rows) and rows[r + n] is seq and offsets[r + n] == n:
+                n += 1
+            if seq.grammar is not None and not seq.finished:
+                seq.grammar.fill(host, r, seq.draft_token_ids, n)
+            words = multi_token_bad_words(seq.params)
+            if words and not seq.finished:
+                for j in range(n):
+                    _ban_bad_words(host, r + j, seq.output_token_ids + seq.draft_token_ids[:j], words)
+            r += n
+        return self._buffers.to_device(host)
+
+
+def _ban_bad_words(host: torch.Tensor, row: int, output: list[int], words: list[list[int]]) -> None:
+    for w in words:
+        prefix = w[:-1]
+        if len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix:
+            t = w[-1]
+            host[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF

@@ -1,0 +1,168 @@
+"""Host-side pieces of structured output and the logits controls, against their oracles: the bitmask
+against xgrammar's own apply_token_bitmask_inplace, the sampler's controls against a torch reference,
+draft rows against a matcher advanced by hand, the compile cache and the error messages."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lamina.engine.detokenizer import initial_state
+from lamina.engine.request import Sequence
+from lamina.engine.sampler import Sampler
+from lamina.sampling_params import SamplingParams
+from lamina.structured.bitmask import BitmaskBuffers, apply_bitmask, bitmask_width
+from lamina.structured.manager import _ban_bad_words
+from lamina.structured.params import StructuredOutputsError
+from lamina.structured.params import StructuredOutputsParams as SO
+
+
+@pytest.mark.parametrize("vocab", [31, 32, 100, 1000])
+def test_apply_bitmask_matches_xgrammar(vocab):
+    xg = pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, bitmask_width(vocab)), generator=g, dtype=torch.int64)
+    mask = bits.to(torch.int32)
+    mask[0] = -1  # all allowed
+    ref = logits.clone()
+    xg.apply_token_bitmask_inplace(ref, mask)
+    got = logits.clone()
+    apply_bitmask(got, mask)
+    assert torch.equal(got, ref)
+
+
+def test_bitmask_buffers_alternate_and_reset():
+    bufs = BitmaskBuffers(100, torch.device("cpu"))
+    a = bufs.host(3)
+    a.zero_()
+    b = bufs.host(2)
+    assert a.data_ptr() != b.data_ptr() and b.shape == (2, 4) and bool((b == -1).all())
+    c = bufs.host(3)
+    assert c.data_ptr() == a.data_ptr() and bool((c == -1).all())
+
+
+def test_ban_bad_words_clears_exactly_the_last_token():
+    host = torch.full((2, 2), -1, dtype=torch.int32)
+    _ban_bad_words(host, 0, [5, 7, 8], [[7, 8, 31], [9, 40]])  # output ends with 7, 8: ban 31
+    _ban_bad_words(host, 1, [5, 9], [[7, 8, 31], [9, 40]])  # ends with 9: ban 40
+    allowed = ((host[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(2, -1).bool()
+    assert (~allowed[0]).nonzero().flatten().tolist() == [31]
+    assert (~allowed[1]).nonzero().flatten().tolist() == [40]
+
+
+def _seq(i: int, params: SamplingParams, out: list[int] | None = None) -> Sequence:
+    toks = [1, 2, 3] + (out or [])
+    return Sequence(i, str(i), 0, toks, 3, params, params.seed, 16, initial_state(3))
+
+
+def test_sampler_controls_match_a_torch_reference():
+    vocab = 64
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=g)
+    params = [SamplingParams(temperature=0, logit_bias={3: 100.0, 5: -100.0}),
+              SamplingParams(temperature=0, allowed_token_ids=[7, 9, 11]),
+              SamplingParams(temperature=0, bad_words_token_ids=[[int(logits[2].argmax())]]),
+              SamplingParams(temperature=0.8, seed=1, allowed_token_ids=[2], logit_bias={2: -50.0})]
+    seqs = [_seq(i, p) for i, p in enumerate(params)]
+    out = Sampler([0]).sample(logits.clone(), seqs).token_ids.tolist()
+    ref = logits.clone()
+    ref[0, 3] += 100.0
+    ref[0, 5] -= 100.0
+    keep = torch.full((vocab,), float("-inf"))
+    keep[[7, 9, 11]] = 0
+    ref[1] += keep
+    ref[2, int(logits[2].argmax())] = float("-inf")
+    assert out[:3] == ref[:3].argmax(dim=-1).tolist()
+    assert out[3] == 2  # the only allowed token, whatever its bias
+
+
+def test_sampler_bitmask_rows_and_logprobs_of_the_raw_distribution():
+    vocab = 70
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    mask = torch.full((3, bitmask_width(vocab)), -1, dtype=torch.int32)
+    mask[1] = 0
+    mask[1, 2] = 1 << 3  # row 1: only token 67
+    seqs = [_seq(i, SamplingParams(temperature=0.7 if i else 0, seed=i, logprobs=0)) for i in range(3)]
+    draws = Sampler([0]).sample(logits.clone(), seqs, bitmask=mask)
+    toks = draws.token_ids.tolist()
+    assert toks[1] == 67 and toks[0] == int(logits[0].argmax())
+    raw_lp = logits.log_softmax(-1)
+    assert torch.allclose(draws.chosen_logprobs, raw_lp[torch.arange(3), draws.token_ids])
+
+
+def test_grammar_rows_after_drafts_match_a_matcher_advanced_by_hand():
+    xg = pytest.importorskip("xgrammar")
+    from lamina.structured.compiler import GrammarCompilerService
+    from lamina.structured.state import GrammarState
+
+    tok = _tokenizer()
+    svc = GrammarCompilerService(tok, len(tok), [tok.eos_token_id])
+    compiled = svc.compile(SO(choice=["alpha beta", "alpine"]))
+    state = GrammarState(compiled)
+    drafts = tok("alpha beta", add_special_tokens=False).input_ids
+    got = torch.full((len(drafts) + 1, bitmask_width(len(tok))), -1, dtype=torch.int32)
+    state.fill(got, 0, drafts, len(drafts) + 1)
+    ref = torch.full_like(got, -1)
+    m = xg.GrammarMatcher(compiled)
+    for j in range(len(drafts) + 1):
+        m.fill_next_token_bitmask(ref, j)
+        if j < len(drafts):
+            assert m.accept_token(drafts[j])
+    assert torch.equal(got, ref)
+    assert state.num_accepted == 0 and not state.terminated  # fill() leaves the state where it was
+    for t in drafts:
+        assert state.accept(t)
+    assert not state.accept(drafts[0]) and state.broken  # rejected: unconstrained from now on
+
+
+def _tokenizer():
+    from lamina.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_source
+
+    return load_tokenizer(resolve_source(DEFAULT_MODEL))
+
+
+def test_compile_cache_and_reasons():
+    pytest.importorskip("xgrammar")
+    from lamina.structured.compiler import GrammarCompilerService
+
+    tok = _tokenizer()
+    svc = GrammarCompilerService(tok, len(tok))
+    a = svc.submit(SO(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
+    b = svc.submit(SO(json=json.dumps({"properties": {"a": {"type": "integer"}}, "type": "object"})))
+    assert b is not a  # text schemas are keyed by their text
+    c = svc.submit(SO(json={"properties": {"a": {"type": "integer"}}, "type": "object"}))
+    assert c is a  # the same schema object (any key order): one compilation
+    for spec, reason in ((SO(json={"type": "objekt"}), 'invalid JSON schema: Unsupported type "objekt"'),
+                         (SO(regex="(ab"), "invalid regex: Regex parsing error at position 4"),
+                         (SO(grammar="root ::= x"), "invalid grammar: EBNF parser error at line 1, column 10")):
+        with pytest.raises(StructuredOutputsError) as e:
+            svc.check(spec)
+        assert str(e.value).startswith(reason) and "/project/" not in str(e.value)
+    svc.close()
+
+
+def test_params_round_trip_and_validation():
+    import dataclasses
+
+    p = SamplingParams(structured_outputs={"choice": ["a", "b"]}, logit_bias={"7": 1.5}, bad_words=["x"])
+    again = SamplingParams(**dataclasses.asdict(p))  # how the params cross to the core process
+    assert again.structured_outputs == p.structured_outputs and again.logit_bias == {7: 1.5}
+    with pytest.raises(ValueError, match="token id 50, .* has 50 tokens"):
+        SamplingParams(logit_bias={50: 1.0}).validate(50)
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={5: 100.5})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(StructuredOutputsError, match="unknown structured_outputs fields: jsonn"):
+        SamplingParams(structured_outputs={"jsonn": {}})
+
+
+def test_bench_json_schema_flag(tmp_path):
+    from lamina.bench.serve import request_extras
+
+    f = tmp_path / "s.json"
+    f.write_text('{"type": "object"}')
+    assert request_extras('{"top_k": 5}', str(f)) == {"top_k": 5, "structured_outputs": {"json": {"type": "object"}}}
+    assert request_extras("{}", None) == {}
