@@ -124,3 +124,18 @@ def test_checkpoint_kv_scales_scale_the_fp8_cache(checkpoints, tmp_path, family,
     # 24x the bf16-KV yardstick that test_fp8_kv_logprobs_stay_within_the_rounding_bound measures on these
     # models (0.0185 nats), rounded up.
     assert (ours - ref).abs().max().item() <= 0.5
+
+
+def test_kv_scales_are_refused_where_they_do_not_fit():
+    """A scale on a module that is not an attention layer, or one that is not a single number, is refused."""
+    from lamina.models.kv_scales import KVScales
+    from lamina.models.weights import Target
+
+    scales = KVScales()
+    mapped = scales.wrap(lambda name, t: [(Target(name), t)])
+    assert list(mapped("model.layers.0.self_attn.q_scale", torch.tensor(1.0))) == []  # unused, dropped
+    assert list(mapped("model.layers.0.mlp.k_scale", torch.tensor(2.0))) == []
+    with pytest.raises(ValueError, match="must be one number"):
+        list(mapped("model.layers.0.self_attn.v_scale", torch.ones(2)))
+    with pytest.raises(ValueError, match="'model.layers.0.mlp', which is not an attention layer"):
+        scales.apply(torch.nn.ModuleDict({"x": torch.nn.Linear(1, 1)}))
