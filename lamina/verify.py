@@ -52,7 +52,8 @@ def add_verify_parser(sub) -> None:
                        description="Loads MODEL in HF transformers and in lamina, runs prompts, prints per-prompt "
                                    "max and mean |delta logprob| and greedy agreement; exit 1 on FAIL.")
     p.add_argument("model", help="HF model directory or .gguf file")
-    p.add_argument("--prompts", type=Path, default=None, help="file with one prompt per line (default: built-in)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="file with one prompt per line, \\n for a newline inside one (default: built-in)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both engines run")
     p.add_argument("--dtype", default="float32", choices=tuple(TOLERANCES), help="lamina's dtype (HF: fp32)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")

@@ -149,3 +149,19 @@ def test_prefix_cache_hits_after_blocks_were_dropped(sliding_ckpt):
             assert abs(la[t].logprob - lb[t].logprob) <= 1e-4
     assert outs[1].num_cached_tokens >= 24 and outs[2].num_cached_tokens >= 24
     assert all_free(on)
+
+
+def test_preemption_with_dropped_blocks_recomputes_the_same(sliding_ckpt):
+    prompts = [{"prompt_token_ids": list(range(5000 + 100 * i, 5000 + 100 * i + 20 + 3 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    big = make(sliding_ckpt, num_kv_blocks=128).generate(prompts, params, use_tqdm=False)
+    chunk = 8
+    # Room for two sequences' windows at a time: the others are preempted and recomputed.
+    small = make(sliding_ckpt, num_kv_blocks=2 * window_blocks(WINDOW, chunk, BS) + 1, max_num_batched_tokens=chunk)
+    sched, preempted = small.engine.scheduler, []
+    preempt = sched._preempt
+    sched._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert preempted  # the pool was small enough to force it
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in big]
+    assert all_free(small)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import TOL, rel_err
+from kernel_helpers import INTERPRET, TOL, rel_err
 from test_triton_kernels import make_step, scaled
 
 from lamina.kernels.activation import gelu_tanh_and_mul_ref
@@ -62,10 +62,13 @@ def test_softcap_reference_matches_direct(case):
     assert (ours - uncapped).abs().max() > 1e-2  # the cap changes the result on these scores
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", list(CASES))
 def test_softcap_triton_matches_reference(case, dtype):
     from lamina.kernels.triton_attention import paged_attention_triton, store_kv_triton
+
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("interpreter bf16 dots are wrong")
 
     specs, hq, hkv, d, window, cap = CASES[case]
     specs = [(ql if ql == 1 else scaled(ql), max(scaled(sl), scaled(ql) if ql > 1 else 1)) for ql, sl in specs]
@@ -90,7 +93,7 @@ def test_gelu_tanh_reference_is_hf_gelu_pytorch_tanh():
     assert torch.allclose(gelu_tanh_and_mul_ref(x), ACT2FN["gelu_pytorch_tanh"](gate) * up, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("shape", [(17, 2 * 1000), (1, 2 * 11)])
 def test_gelu_tanh_and_mul_triton(shape, dtype):
     from kernel_helpers import DEV
