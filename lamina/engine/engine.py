@@ -181,7 +181,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Requests (not sequences: n > 1 counts once) running and waiting, and the KV pool's state."""
         running = {s.request_id for s in self.scheduler.running}
-        waiting = {s.request_id for s in self.scheduler.waiting} - running
+        waiting = ({s.request_id for s in self.scheduler.waiting} | self.structured.held_ids) - running
         return EngineStats(len(running), len(waiting), self.allocator.num_free,
                            self.allocator.num_blocks,
                            self.prefix_cache.snapshot_hits if self.prefix_cache is not None else 0,

@@ -121,8 +121,9 @@ class StructuredOutputManager:
         self._held.pop(request_id, None)
 
     @property
-    def num_held(self) -> int:
-        return len(self._held)
+    def held_ids(self) -> set[str]:
+        """Requests waiting for their grammar (they count as waiting)."""
+        return set(self._held)
 
     @staticmethod
     def constrains(rows: list[Sequence]) -> bool:
