@@ -1,6 +1,7 @@
 """lamina: an LLM inference engine."""
 from lamina.outputs import CompletionOutput, Logprob, RequestOutput
 from lamina.sampling_params import SamplingParams
+from lamina.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -12,4 +13,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -228,7 +228,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Requests (not sequences: n > 1 counts once) running and waiting, and the KV pool's state."""
         running = {s.request_id for s in self.scheduler.running}
-        waiting = {s.request_id for s in self.scheduler.waiting} - running
+        waiting = ({s.request_id for s in self.scheduler.waiting} | self.structured.held_ids) - running
         spec = self.spec.stats if self.spec is not None else None
         return EngineStats(len(running), len(waiting), self.allocator.num_free,
                            self.allocator.num_blocks,

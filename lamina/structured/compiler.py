@@ -76,12 +76,9 @@ class GrammarCompilerService:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None,
                  max_threads: int = 4) -> None:
-        import xgrammar as xg
-
-        self.info = xg.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                      stop_token_ids=stop_token_ids or None)
         self.vocab_size = vocab_size
-        self._compiler = xg.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
+        self._tokenizer, self._stop, self._threads = tokenizer, stop_token_ids, max_threads
+        self._compiler = None  # built on the worker thread (reading a large vocabulary takes ~1 s)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lamina-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -104,6 +101,12 @@ class GrammarCompilerService:
             return fut
 
     def _compile(self, spec: StructuredOutputsParams):
+        if self._compiler is None:  # only the one worker thread gets here
+            import xgrammar as xg
+
+            info = xg.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                     stop_token_ids=self._stop or None)
+            self._compiler = xg.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
         return self._compiler.compile_grammar(build_grammar(spec))
 
     def compile(self, spec: StructuredOutputsParams):

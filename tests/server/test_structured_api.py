@@ -80,6 +80,24 @@ def test_required_tool_call_round_trip(oai):
     assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
 
 
+def test_auto_tool_choice_parses_hermes_calls(oai):
+    """tool_choice auto with --tool-call-parser hermes: a regex makes the small model write a hermes call
+    (it would rarely choose to), which comes back as a tool call, streamed and not."""
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}\n</tool_call>'
+    kw = dict(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Weather in Paris?"}],
+              tools=[WEATHER], max_tokens=120, temperature=0, extra_body={"structured_outputs": {"regex": call}})
+    choice = oai.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (tc,) = choice.message.tool_calls
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments)["city"] in ("Paris", "Oslo")
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    pieces = [t for c in chunks for ch in c.choices for t in (ch.delta.tool_calls or [])]
+    assert pieces[0].function.name == "get_weather" and pieces[0].id
+    assert "".join(p.function.arguments or "" for p in pieces) == tc.function.arguments
+    assert not "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_named_tool_choice_streamed_like_openai(oai):
     stream = oai.chat.completions.create(
         model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Weather in Oslo?"}],

@@ -63,11 +63,13 @@ def test_json_schema_validates_on_20_prompts(overlapped):
     for ids in outs.values():
         text = eng.tokenizer.decode(ids[0], skip_special_tokens=True)
         jsonschema.validate(json.loads(text), SCHEMA)
-    assert eng.allocator.num_free == eng.allocator.num_blocks - _cached(eng)
+    assert all_free(eng)
 
 
-def _cached(eng: LLMEngine) -> int:
-    return 0 if eng.prefix_cache is None else eng.allocator.num_blocks - eng.allocator.num_free
+def all_free(eng: LLMEngine) -> bool:
+    """Every block back in the pool (cached ones count: they are evictable) and nothing left queued."""
+    return eng.allocator.num_free == eng.allocator.num_blocks and not eng.scheduler.running \
+        and not eng.scheduler.waiting and not eng.groups and not eng.structured.held_ids
 
 
 @pytest.mark.parametrize("spec,check", [
@@ -114,7 +116,7 @@ def test_same_output_with_preemption_chunked_prefill_and_sync_read_back(overlapp
     tight = engine(async_scheduling=True, num_kv_blocks=44, max_num_batched_tokens=64, enable_prefix_caching=False)
     assert run(tight, prompts, params) == ref
     assert max(s.num_preemptions for g in run.seqs.values() for s in g) > 0  # preemption did happen
-    assert tight.allocator.num_free == tight.allocator.num_blocks
+    assert all_free(tight)
     sync = engine(async_scheduling=False, max_num_batched_tokens=32)
     assert run(sync, prompts, params) == ref
 
@@ -139,3 +141,39 @@ def test_drafts_are_masked_per_position(overlapped):
 
     got = run(eng, prompts, params, drafts)["0"][0]
     assert got == ref and sum(calls) > 0
+
+
+def test_requests_wait_for_their_grammar_outside_the_scheduler(overlapped, monkeypatch):
+    """A request whose grammar is still compiling is not scheduled (it counts as waiting); it runs once the
+    grammar is there, fails with the request's error if compilation fails, and an abort meanwhile leaks
+    nothing."""
+    import concurrent.futures as cf
+
+    eng = overlapped
+    real = eng.structured.compiler
+    spec = SO(choice=["yes", "no"])
+    compiled = real.compile(spec)
+    pending: list[cf.Future] = []
+
+    def submit(_spec):
+        pending.append(cf.Future())
+        return pending[-1]
+
+    monkeypatch.setattr(real, "submit", submit)
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
+    ids = chat_ids(eng, "Yes or no?")
+    for rid in ("a", "b", "c"):
+        eng.add_request(rid, ids, params)
+    for _ in range(3):
+        assert eng.step() == []
+    assert not eng.scheduler.waiting and not eng.scheduler.running and eng.stats().num_waiting == 3
+    eng.abort_request("c")
+    pending[0].set_result(compiled)
+    pending[1].set_exception(RuntimeError("boom"))
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert outs["a"].outputs[0].text in ("yes", "no") and outs["a"].outputs[0].finish_reason == "stop"
+    assert outs["b"].outputs[0].finish_reason == "error" and "boom" in outs["b"].error
+    assert all_free(eng)
