@@ -43,10 +43,10 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The [N, K] weight in `dtype` (computed in fp32)."""
     q = unpack_int4(qweight) if bits == 4 else qweight
-    group = q.shape[1] // scales.shape[1]
-    s = scales.float().repeat_interleave(group, dim=1)
-    o = offsets.float().repeat_interleave(group, dim=1)
-    return (q.float() * s + o).to(dtype)
+    n, groups = scales.shape
+    w = q.reshape(n, groups, -1).float()  # broadcast the group's scale and offset (no repeated copies)
+    w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
+    return w.reshape(n, -1).to(dtype)
 
 
 def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,

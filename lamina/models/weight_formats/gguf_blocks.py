@@ -38,7 +38,7 @@ def supported_names() -> str:
 
 @dataclass
 class Unpacked:
-    """q [rows, K] (int16, the integer each weight is), scale and offset [rows, K / group] (fp32); numpy
+    """q [rows, K] (uint8 / int8 / int16: the integer each weight is), scale and offset [rows, K / group] (fp32); numpy
     arrays (torch's uint8 arithmetic is an order of magnitude slower on the CPU, and this runs at load)."""
 
     q: np.ndarray
@@ -87,19 +87,19 @@ def unpack(raw: torch.Tensor | np.ndarray, qtype: T, k: int) -> Unpacked:
     rows = raw.shape[0]
     b = raw.reshape(rows, k // per, size)
     if qtype == T.Q8_0:
-        q = np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.int16)
+        q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
         d = _f16(b, 0)
         scale, offset = d, np.zeros_like(d)
     elif qtype in (T.Q4_0, T.Q4_1):
         start = 2 if qtype == T.Q4_0 else 4
-        q = _nibbles(b[..., start:], 16).astype(np.int16)
+        q = _nibbles(b[..., start:], 16)
         d = _f16(b, 0)
         scale, offset = d, (-8 * d if qtype == T.Q4_0 else _f16(b, 2))
     elif qtype in (T.Q4_K, T.Q5_K):
         d, dmin = _f16(b, 0), _f16(b, 2)
         sc, mn = _k_scales(b[..., 4:16])
         if qtype == T.Q4_K:
-            q = _nibbles(b[..., 16:], 32).astype(np.int16)
+            q = _nibbles(b[..., 16:], 32)
         else:
             qh = b[..., 16:48].astype(np.int16)  # bit j of qh[l]: the fifth bit of element 32 j + l
             high = np.concatenate([(qh >> j) & 1 for j in range(8)], axis=-1) << 4
@@ -132,8 +132,8 @@ def pack_rows(raw: torch.Tensor, qtype: T, k: int, bits: int, group: int) -> tup
     scales = torch.from_numpy(np.repeat(u.scale, rep, axis=1).astype(np.float16))
     offsets = torch.from_numpy(np.repeat(u.offset, rep, axis=1).astype(np.float16))
     if bits == 4:
-        q = u.q.astype(np.uint8).reshape(u.q.shape[0], -1, 2)
+        q = u.q.astype(np.uint8, copy=False).reshape(u.q.shape[0], -1, 2)
         qweight = torch.from_numpy(np.ascontiguousarray(q[..., 0] | (q[..., 1] << 4)))
     else:
-        qweight = torch.from_numpy(u.q.astype(np.int8))
+        qweight = torch.from_numpy(u.q.astype(np.int8, copy=False))
     return qweight, scales, offsets
