@@ -99,3 +99,20 @@ if [ "$what" = moe ]; then  # fused MoE: align kernel and grouped-GEMM tile swee
   PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 400 python3 scripts/moe_sweep.py --out "$OUT/moe_sweep.json" 2>&1 \
     | grep -v Warning | tail -30
 fi
+if [ "$what" = tests ]; then  # every kernel and GPU test on the merged code, failures listed (no -x)
+  PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 540 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels tests/gpu 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
+fi
+if [ "$what" = hybgraphs ]; then  # hybrid mixed-step graphs: correctness (tiny fp32/bf16) and the 80b A/B
+  PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 560 python3 scripts/gpu_graph_check.py --hybrid --out "$OUT" 2>&1 \
+    | grep -vE "it/s|WARNING" | tee "$OUT/hybrid_graph_check.log" | tail -40
+fi
+if [ "$what" = perf ]; then  # this checkout's offline figures, then the FP8 and 4-bit kernel benches
+  SIDES=new
+  run_ab throughput throughput --model random:qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 512 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192
+  run_ab hybrid throughput --model random:qwen3-next-80b-a3b-24l --num-prompts 64 --input-len 1024 \
+    --output-len 256 --max-num-seqs 64 --max-num-batched-tokens 8192
+  PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 150 python3 scripts/fp8_gpu_bench.py 2>&1 | tee "$OUT/fp8_gpu_bench.log" | tail -25
+  PYTHONPATH=$NEW:${PYTHONPATH:-} timeout 150 python3 scripts/gpu_wq_bench.py 2>&1 | tee "$OUT/wq_bench.log" | tail -25
+fi
