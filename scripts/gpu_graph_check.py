@@ -39,7 +39,7 @@ import sys
 import time
 from collections import Counter
 
-MODES = {"graphs": {}, "decode": {"LAMINA_MIXED_GRAPHS": "0"}, "eager": {}}
+MODES = {"graphs": {"LAMINA_HYBRID_MIXED_GRAPHS": "1"}, "decode": {"LAMINA_MIXED_GRAPHS": "0"}, "eager": {}}
 TINY_HYBRID = "random:tiny-qwen3-next"
 HYBRID_BENCH = ["--model", "random:qwen3-next-80b-a3b-24l", "--num-prompts", "64", "--input-len", "1024",
                 "--output-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens", "8192"]

@@ -28,6 +28,13 @@ from lamina.engine.graph_keys import (
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
 
+
+@pytest.fixture(autouse=True)
+def _hybrid_mixed_graphs(monkeypatch):
+    """Hybrid mixed graphs are opt-in (engine/cuda_graph.py mixed_graphs_enabled says why); these tests check
+    the opt-in path's host side."""
+    monkeypatch.setenv("LAMINA_HYBRID_MIXED_GRAPHS", "1")
+
 def test_token_ladder():
     sizes = mixed_token_sizes(8192)
     assert len(sizes) == 56 and sizes[0] == 16 and sizes[-1] == 8192
@@ -74,6 +81,9 @@ class _Stub(torch.nn.Module):
 
 def test_hybrid_models_get_mixed_graphs_too(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.delenv("LAMINA_HYBRID_MIXED_GRAPHS")
+    assert CudaGraphRunner(_Stub(), 8, 64, 4, cpu, padding_slot=8, max_num_batched_tokens=64).mixed_sizes == []
+    monkeypatch.setenv("LAMINA_HYBRID_MIXED_GRAPHS", "1")  # opt-in for hybrid models (cuda_graph.py says why)
     hybrid = CudaGraphRunner(_Stub(), 8, 64, 4, cpu, padding_slot=8, max_num_batched_tokens=64)
     assert hybrid.mixed_sizes == [16, 32, 48, 64]
     assert [(k.tokens, k.seqs, k.decode) for k in hybrid.keys if not k.decode] == \

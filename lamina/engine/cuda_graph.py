@@ -49,9 +49,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return decode_batch_sizes(max_num_seqs)
 
 
-def mixed_graphs_enabled() -> bool:
-    """LAMINA_MIXED_GRAPHS=0 turns the mixed-step graphs off (A/B runs, or a way out if one misbehaves)."""
-    return os.environ.get("LAMINA_MIXED_GRAPHS", "1") != "0"
+def mixed_graphs_enabled(hybrid: bool = False) -> bool:
+    """LAMINA_MIXED_GRAPHS=0 turns the mixed-step graphs off (A/B runs, or a way out if one misbehaves).
+
+    Hybrid models' mixed graphs are opt-in (LAMINA_HYBRID_MIXED_GRAPHS=1): on the H200 they matched eager on the
+    tiny qwen3_next model (fp32 48/48, bf16 up to near-ties), but on the Qwen3-Next-80B-A3B shape (24 layers,
+    64 x 1,024 -> 256) 30 of 48 sequences took tokens eager gives no weight to (scripts/gpu_graph_check.py
+    --hybrid, 2026-12-01b), and they were no faster there (3,165 vs 3,148 tok/s: its mixed steps are few and
+    long). Until that is found, hybrid mixed steps run eagerly (their decode steps replay graphs)."""
+    if os.environ.get("LAMINA_MIXED_GRAPHS", "1") == "0":
+        return False
+    return not hybrid or os.environ.get("LAMINA_HYBRID_MIXED_GRAPHS", "0") == "1"
 
 
 class CudaGraphRunner:
@@ -64,7 +72,7 @@ class CudaGraphRunner:
         self.model, self.device = model, device
         self.padding_slot = padding_slot
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        mixed = mixed_graphs_enabled() if mixed is None else mixed
+        mixed = mixed_graphs_enabled(padding_slot is not None) if mixed is None else mixed
         self.decode_sizes = decode_batch_sizes(max_num_seqs)
         # Mixed graphs need the Triton kernels (the torch references plan from host query lengths).
         on = bool(mixed and max_num_batched_tokens) and (device.type != "cuda" or triton_available())

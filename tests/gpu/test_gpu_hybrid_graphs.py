@@ -13,6 +13,13 @@ from lamina import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+
+@pytest.fixture(autouse=True)
+def _hybrid_mixed_graphs(monkeypatch):
+    """Hybrid mixed graphs are opt-in (engine/cuda_graph.py mixed_graphs_enabled says why): these tests check
+    the opt-in path."""
+    monkeypatch.setenv("LAMINA_HYBRID_MIXED_GRAPHS", "1")
+
 PROMPT = [1000 + (37 * i) % 3000 for i in range(400)]
 
 
