@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from lamina.config import EngineConfig
 from lamina.engine.async_engine import AsyncEngine
 from lamina.engine.engine import LLMEngine
+from lamina.server.anthropic import AnthropicRoute, count_tokens, create_message
+from lamina.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from lamina.server.chat import chat_prompt, create_chat_completion
 from lamina.server.completions import create_completion
 from lamina.server.errors import APIError, bad_request, install_error_handlers
@@ -109,7 +111,9 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
         if state.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
             raise APIError("Incorrect API key provided.", 401, code="invalid_api_key")
 
     api = APIRouter(dependencies=[Depends(check_key)])
@@ -163,7 +167,23 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
     if options.enable_docs:
         _add_docs(app, api)
     app.include_router(api)
+    app.include_router(_anthropic_routes(state, check_key))
     return app
+
+
+def _anthropic_routes(state: ServerState, check_key) -> APIRouter:
+    """Anthropic's Messages API; its errors take Anthropic's shape (AnthropicRoute)."""
+    router = APIRouter(dependencies=[Depends(check_key)], route_class=AnthropicRoute)
+
+    @router.post("/v1/messages")
+    async def messages(req: MessagesRequest, raw: Request) -> Response:
+        return await create_message(req, raw, state)
+
+    @router.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> Response:
+        return await count_tokens(req, state)
+
+    return router
 
 
 def _add_docs(app: FastAPI, api: APIRouter) -> None:

@@ -1,0 +1,115 @@
+"""Turns a conversation with tools into prompt token ids, for the Anthropic Messages and OpenAI Responses
+endpoints (both convert their own shapes into OpenAI-style message dicts first).
+
+Messages here are OpenAI chat dicts: {"role", "content": str, "tool_calls": [{"id", "type": "function",
+"function": {"name", "arguments": dict}}], "tool_call_id"}. A template that knows tools (it mentions `tools`
+or `tool_calls`) gets them as Hugging Face defines them (`apply_chat_template(tools=...)`, arguments as
+dicts). A template that does not would drop them silently, so they are written into the conversation
+instead in the Hermes format the fallback parser reads back (agent_output.py): the tool list in the system
+turn, calls as `<tool_call>` text, results as `<tool_response>` user turns.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from lamina.server.agent_output import CALL_CLOSE, CALL_OPEN, THINK_OPEN
+from lamina.server.errors import bad_request
+from lamina.server.serving import ServerState
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    starts_in_reasoning: bool  # the rendered prompt ends inside an opened <think> block
+    prefill: str  # text appended after the generation prompt (the reply continues it)
+
+
+def template_knows_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in template or "tool_calls" in template
+
+
+def _tools_system_text(tools: list[dict]) -> str:
+    lines = ["You may call one or more functions to assist with the user query.",
+             "You are provided with function signatures within <tools></tools> XML tags:", "<tools>"]
+    lines += [json.dumps(t, ensure_ascii=False) for t in tools]
+    lines += ["</tools>", "For each function call, return a json object with function name and arguments within "
+              f"{CALL_OPEN}{CALL_CLOSE} XML tags:",
+              f'{CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_CLOSE}']
+    return "\n".join(lines)
+
+
+def _inline_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The conversation for a template without tool support: everything written as plain turns."""
+    out: list[dict] = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [f"{CALL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                    "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+                     + f"\n{CALL_CLOSE}" for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
+        elif role == "tool":
+            body = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + body  # consecutive results share one turn
+            else:
+                out.append({"role": "user", "content": body, "_tool_results": True})
+        else:
+            out.append({"role": role, "content": content})
+    for m in out:
+        m.pop("_tool_results", None)
+    if tools:
+        text = _tools_system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def render_prompt(state: ServerState, messages: list[dict], tools: list[dict] | None = None,
+                  template_kwargs: dict[str, Any] | None = None, prefill: str = "") -> Prompt:
+    """Prompt ids for `messages`. A last assistant message is continued (its text is the start of the reply,
+    as Anthropic's API defines it), otherwise the generation prompt opens a new assistant turn. `tools` are
+    OpenAI-style function tools ({"type": "function", "function": {...}}); `prefill` is appended after the
+    generation prompt. Template failures are 400s on "messages"."""
+    tokenizer = state.need_tokenizer("messages")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("this model's tokenizer has no chat template", "messages")
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    native = template_knows_tools(tokenizer)
+    msgs = messages if native else _inline_tools(messages, tools)
+    continue_final = msgs[-1]["role"] == "assistant"
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if native and tools:
+        kwargs["tools"] = tools
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not continue_final,
+                                             continue_final_message=continue_final, **kwargs)
+    except (ValueError, TypeError, KeyError, TemplateError) as e:
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    text += prefill
+    # The template writes the special tokens itself; encoding must not add a second BOS.
+    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+    return Prompt(ids=ids, starts_in_reasoning=text.rstrip().endswith(THINK_OPEN), prefill=prefill)
+
+
+def forced_call_prefill(choice: str | None, tools: list[dict]) -> str:
+    """The opening of a Hermes call placed at the start of the reply when a call is required ("any": some
+    tool; a name: that tool). A prompt-level nudge for models that use this format; schema-exact calls are
+    the job of structured output."""
+    if choice is None or not tools:
+        return ""
+    if choice == "any":
+        return f"{CALL_OPEN}\n" if len(tools) > 1 else f'{CALL_OPEN}\n{{"name": "{_name(tools[0])}", "arguments": '
+    return f'{CALL_OPEN}\n{{"name": "{choice}", "arguments": '
+
+
+def _name(tool: dict) -> str:
+    return tool["function"]["name"]
