@@ -107,9 +107,7 @@ def forced_call_prefill(choice: str | None, tools: list[dict]) -> str:
     if choice is None or not tools:
         return ""
     if choice == "any":
-        return f"{CALL_OPEN}\n" if len(tools) > 1 else f'{CALL_OPEN}\n{{"name": "{_name(tools[0])}", "arguments": '
-    return f'{CALL_OPEN}\n{{"name": "{choice}", "arguments": '
-
-
-def _name(tool: dict) -> str:
-    return tool["function"]["name"]
+        if len(tools) > 1:
+            return f"{CALL_OPEN}\n"
+        choice = tools[0]["function"]["name"]
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(choice)}, "arguments": '
