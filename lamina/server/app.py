@@ -21,7 +21,10 @@ from lamina.server.errors import APIError, bad_request, install_error_handlers
 from lamina.server.limits import BodyLimits
 from lamina.server.metrics import ServerMetrics
 from lamina.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from lamina.server.response_store import ResponseStore
 from lamina.server.responses import ModelCard, ModelList
+from lamina.server.responses_api import create_response, delete_response, get_response
+from lamina.server.responses_protocol import ResponsesRequest
 from lamina.server.serving import ServerState
 
 
@@ -32,6 +35,7 @@ class ServerOptions:
     max_body_bytes: int = 4 * 2**20  # larger request bodies get a 413
     body_timeout: float = 30.0  # seconds to receive a body once its headers are in (then a 408)
     enable_docs: bool = False  # /docs, /redoc, /openapi.json (behind the API key when there is one)
+    responses_store_size: int = 0  # Responses API: how many stored responses to keep (0: stateless)
 
 
 def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key: str | None = None,
@@ -139,6 +143,20 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
     @api.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(req, raw, state)
+
+    store = ResponseStore(options.responses_store_size)  # this app's; several apps may share a process
+
+    @api.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(req, raw, state, store)
+
+    @api.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str) -> Response:
+        return get_response(store, response_id)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str) -> Response:
+        return delete_response(store, response_id)
 
     @api.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

@@ -10,6 +10,7 @@ from lamina.args import (
     add_engine_args,
     add_generation_config_arg,
     engine_kwargs,
+    nonnegative_int,
     port_number,
     positive_float,
 )
@@ -39,6 +40,9 @@ def add_serve_parser(sub) -> None:
                    help="seconds a request may take to send its body, once its headers are in (then a 408)")
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (default: off; behind --api-key when one is set)")
+    p.add_argument("--responses-store-size", type=nonnegative_int, default=0,
+                   help="Responses API: keep this many responses in memory for previous_response_id and GET "
+                        "/v1/responses/{id} (least recently used go first; default: 0, stateless)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
@@ -82,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     options = ServerOptions(max_body_bytes=int(args.max_request_body_mb * 2**20), body_timeout=args.body_timeout,
-                            enable_docs=args.enable_docs)
+                            enable_docs=args.enable_docs, responses_store_size=args.responses_store_size)
     app = build_app(state, options)
     info = state.engine.info
 
