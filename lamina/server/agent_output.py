@@ -168,3 +168,61 @@ def _parse_call(body: str) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+class ParsedSplitter:
+    """A Splitter over the server's configured parsers (--reasoning-parser, --tool-call-parser): `reasoning`
+    has split(text, final) -> an object with .reasoning and .content (prefixes of the final parts);
+    `tool_parser` has streamer() whose feed(content, final) returns (content delta, call deltas with
+    index / name / arguments). Either may be None: that part is not split."""
+
+    def __init__(self, reasoning=None, tool_parser=None, prefix: str = "") -> None:
+        self.reasoning, self.prefix = reasoning, prefix
+        self.tools = tool_parser.streamer() if tool_parser is not None else None
+        self._sent_reasoning = self._sent_content = 0
+        self._calls: dict[int, list[str]] = {}  # index -> [name, arguments so far]
+
+    def _step(self, text: str, final: bool) -> list[Piece]:
+        text = self.prefix + text
+        if self.reasoning is not None:
+            s = self.reasoning.split(text, final)
+            reasoning, content = s.reasoning, s.content
+        else:
+            reasoning, content = "", text
+        out: list[Piece] = []
+        if len(reasoning) > self._sent_reasoning:
+            out.append(("reasoning", reasoning[self._sent_reasoning:]))
+            self._sent_reasoning = len(reasoning)
+        if self.tools is None:
+            if len(content) > self._sent_content:
+                out.append(("text", content[self._sent_content:]))
+                self._sent_content = len(content)
+            return out
+        delta, calls = self.tools.feed(content, final)
+        if delta:
+            out.append(("text", delta))
+        for d in calls:
+            entry = self._calls.setdefault(d.index, ["", ""])
+            entry[0] = d.name or entry[0]
+            entry[1] += d.arguments
+        return out
+
+    def feed(self, text: str) -> list[Piece]:
+        return self._step(text, final=False)
+
+    def finish(self, text: str) -> tuple[list[Piece], list[ToolCall]]:
+        pieces = self._step(text, final=True)
+        calls = [ToolCall(name=n, arguments=a or "{}") for _, (n, a) in sorted(self._calls.items())]
+        return pieces, calls
+
+
+def make_splitter(reasoning_parser=None, tool_parser=None, *, reasoning: bool, tools: list[dict] | None,
+                  prompt_tail: str, starts_in_reasoning: bool, prefix: str = "") -> Splitter:
+    """The configured parsers when the server has them (classes: reasoning_parser(prompt_text),
+    tool_parser(tools)), else the built-in `<think>` / Hermes splitter. Reasoning is split when the request
+    asks for thinking or a reasoning parser is configured; tool calls only when the request has tools."""
+    if reasoning_parser is not None or (tool_parser is not None and tools):
+        return ParsedSplitter(reasoning_parser(prompt_tail) if reasoning_parser is not None else None,
+                              tool_parser(tools) if tool_parser is not None and tools else None, prefix)
+    return OutputSplitter(reasoning=reasoning, tools=bool(tools), starts_in_reasoning=starts_in_reasoning,
+                          prefix=prefix)

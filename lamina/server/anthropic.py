@@ -24,9 +24,9 @@ from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
 from lamina.outputs import CompletionOutput, RequestOutput
-from lamina.server.agent_output import OutputSplitter, Piece, ToolCall
+from lamina.server.agent_output import Piece, Splitter, ToolCall
 from lamina.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from lamina.server.conversation import Prompt, forced_call_prefill, render_prompt
+from lamina.server.conversation import Prompt, forced_prefill, render_prompt, splitter_for
 from lamina.server.errors import APIError, validation_error
 from lamina.server.serving import (
     SSE_HEADERS,
@@ -69,7 +69,7 @@ class AnthropicRoute(APIRoute):
 def _prompt(req: CountTokensRequest, state: ServerState) -> tuple[Prompt, list[dict] | None]:
     tools = req.openai_tools()
     forced = req.forced_tool()
-    prefill = forced_call_prefill(forced, tools or [])
+    prefill = forced_prefill(state, forced, tools)
     return render_prompt(state, req.conversation(), tools, req.template_kwargs(), prefill), tools
 
 
@@ -78,13 +78,6 @@ async def count_tokens(req: CountTokensRequest, state: ServerState) -> JSONRespo
     req.check_supported()
     prompt, _ = _prompt(req, state)
     return JSONResponse({"input_tokens": len(prompt.ids)})
-
-
-def _splitter(req: MessagesRequest, prompt: Prompt, tools: list[dict] | None, state: ServerState) -> OutputSplitter:
-    reasoning = getattr(state, "reasoning_parser", None) is not None or (
-        req.thinking is not None and req.thinking.on)
-    return OutputSplitter(reasoning=reasoning, tools=bool(tools), starts_in_reasoning=prompt.starts_in_reasoning,
-                          prefix=prompt.prefill)
 
 
 def _usage(num_prompt: int, out: RequestOutput | None, output_tokens: int) -> dict[str, int]:
@@ -132,7 +125,7 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
         streams = await start_requests(state, raw, [prompt.ids], params, message_id, param="messages")
     except ClientDisconnected:
         return Response(status_code=499)
-    splitter = _splitter(req, prompt, tools, state)
+    splitter = splitter_for(state, prompt, tools, req.thinking is not None and req.thinking.on)
     model = req.model or state.model_name
     if req.stream:
         return StreamingResponse(_stream(state, streams, message_id, model, len(prompt.ids), splitter),
@@ -193,7 +186,7 @@ class _Blocks:
 
 
 async def _stream(state: ServerState, streams, message_id: str, model: str, num_prompt: int,
-                  splitter: OutputSplitter):
+                  splitter: Splitter):
     blocks = _Blocks()
     started = False
     try:

@@ -16,7 +16,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from lamina.server.agent_output import CALL_CLOSE, CALL_OPEN, THINK_OPEN
+from lamina.server.agent_output import CALL_CLOSE, CALL_OPEN, THINK_OPEN, Splitter, make_splitter
 from lamina.server.errors import bad_request
 from lamina.server.serving import ServerState
 
@@ -26,6 +26,7 @@ class Prompt:
     ids: list[int]
     starts_in_reasoning: bool  # the rendered prompt ends inside an opened <think> block
     prefill: str  # text appended after the generation prompt (the reply continues it)
+    tail: str = ""  # the rendered prompt's last characters (reasoning parsers read whether it opened <think>)
 
 
 def template_knows_tools(tokenizer: Any) -> bool:
@@ -97,7 +98,23 @@ def render_prompt(state: ServerState, messages: list[dict], tools: list[dict] | 
     text += prefill
     # The template writes the special tokens itself; encoding must not add a second BOS.
     ids = list(tokenizer(text, add_special_tokens=False).input_ids)
-    return Prompt(ids=ids, starts_in_reasoning=text.rstrip().endswith(THINK_OPEN), prefill=prefill)
+    return Prompt(ids=ids, starts_in_reasoning=text.rstrip().endswith(THINK_OPEN), prefill=prefill,
+                  tail=text[-256:])
+
+
+def splitter_for(state: ServerState, prompt: Prompt, tools: list[dict] | None, thinking: bool) -> Splitter:
+    """The output splitter of one reply. The parsers chosen at start-up (ServerState attributes
+    `reasoning_parser` / `tool_parser`: parser classes, absent or None when not configured) win over the
+    built-in `<think>` / Hermes formats."""
+    return make_splitter(getattr(state, "reasoning_parser", None), getattr(state, "tool_parser", None),
+                         reasoning=thinking, tools=tools, prompt_tail=prompt.tail,
+                         starts_in_reasoning=prompt.starts_in_reasoning, prefix=prompt.prefill)
+
+
+def forced_prefill(state: ServerState, choice: str | None, tools: list[dict] | None) -> str:
+    """forced_call_prefill for the built-in Hermes format; nothing when the server has its own tool parser
+    (whose format the opening would not match)."""
+    return "" if getattr(state, "tool_parser", None) is not None else forced_call_prefill(choice, tools or [])
 
 
 def forced_call_prefill(choice: str | None, tools: list[dict]) -> str:

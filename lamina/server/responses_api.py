@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from lamina.outputs import RequestOutput
-from lamina.server.agent_output import OutputSplitter, Piece, ToolCall
-from lamina.server.conversation import forced_call_prefill, render_prompt
+from lamina.server.agent_output import Piece, Splitter, ToolCall
+from lamina.server.conversation import forced_prefill, render_prompt, splitter_for
 from lamina.server.errors import APIError
 from lamina.server.response_store import ResponseStore, StoredResponse
 from lamina.server.responses_protocol import ResponsesRequest
@@ -199,7 +199,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
     history += req.conversation()
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     tools = req.openai_tools()
-    prefill = forced_call_prefill(req.forced_tool(), tools or [])
+    prefill = forced_prefill(state, req.forced_tool(), tools)
     prompt = render_prompt(state, system + history, tools, req.template_kwargs(), prefill)
     state.check_max_tokens(len(prompt.ids), req.max_output_tokens)
     max_tokens = req.max_output_tokens or state.sampling_defaults.get("max_tokens")
@@ -209,9 +209,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
         streams = await start_requests(state, raw, [prompt.ids], params, run.id, param="input")
     except ClientDisconnected:
         return Response(status_code=499)
-    reasoning = getattr(state, "reasoning_parser", None) is not None or (req.reasoning is not None and req.reasoning.on)
-    splitter = OutputSplitter(reasoning=reasoning, tools=bool(tools), starts_in_reasoning=prompt.starts_in_reasoning,
-                              prefix=prompt.prefill)
+    splitter = splitter_for(state, prompt, tools, req.reasoning is not None and req.reasoning.on)
     if req.stream:
         return StreamingResponse(_stream(run, streams, splitter), media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
@@ -223,7 +221,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
     return JSONResponse(run.done(out))
 
 
-async def _stream(run: _Run, streams, splitter: OutputSplitter):
+async def _stream(run: _Run, streams, splitter: Splitter):
     o = run.output
     try:
         yield o.event("response.created", response=run.body("in_progress"))

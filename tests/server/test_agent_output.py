@@ -3,6 +3,7 @@ templates without tool support. Oracle: the whole text split at once, and hand-w
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,3 +85,52 @@ def test_forced_call_prefill():
     assert forced_call_prefill("any", tools) == "<tool_call>\n"
     assert json.loads(forced_call_prefill("b", tools).split("\n", 1)[1] + "{}}") == {"name": "b", "arguments": {}}
     assert forced_call_prefill("any", tools[:1]).endswith('"name": "a", "arguments": ')
+
+
+class _Split:
+    """A stand-in for a configured reasoning parser (prefix-consistent, as the interface promises)."""
+
+    def __init__(self, prompt_text=None):
+        self.prompt_text = prompt_text
+
+    def split(self, text, final):
+        head, sep, tail = text.partition("</think>")
+        if not sep:
+            return SimpleNamespace(reasoning="", content=text if final else "")
+        return SimpleNamespace(reasoning=head.removeprefix("<think>"), content=tail.lstrip())
+
+
+class _Calls:
+    """A stand-in for a configured tool parser: `CALL name {json}` after the content, read at the end."""
+
+    def __init__(self, tools):
+        self.tools = tools
+
+    def streamer(self):
+        class S:
+            def feed(self, content, final):
+                if not final:
+                    return "", []
+                text, _, call = content.partition("CALL ")
+                name, _, args = call.partition(" ")
+                return text, [SimpleNamespace(index=0, name=name, arguments=""),
+                              SimpleNamespace(index=0, name=None, arguments=args)]
+
+        return S()
+
+
+def test_configured_parsers_plug_in():
+    from lamina.server.agent_output import ParsedSplitter, make_splitter
+
+    s = make_splitter(_Split, _Calls, reasoning=False, tools=[{"type": "function"}], prompt_tail="x",
+                      starts_in_reasoning=False)
+    assert isinstance(s, ParsedSplitter) and s.reasoning.prompt_text == "x"
+    reply = '<think>hm</think>\nOk CALL f {"a": 1}'
+    pieces = []
+    for end in range(1, len(reply)):
+        pieces += s.feed(reply[:end])
+    last, calls = s.finish(reply)
+    assert _joined(pieces + last) == {"reasoning": "hm", "text": "Ok "}
+    assert [(c.name, c.input()) for c in calls] == [("f", {"a": 1})]
+    assert isinstance(make_splitter(None, _Calls, reasoning=True, tools=None, prompt_tail="",
+                                    starts_in_reasoning=False), OutputSplitter)  # no tools: nothing to parse
