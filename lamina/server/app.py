@@ -20,7 +20,13 @@ from lamina.server.completions import create_completion
 from lamina.server.errors import APIError, bad_request, install_error_handlers
 from lamina.server.limits import BodyLimits
 from lamina.server.metrics import ServerMetrics
-from lamina.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from lamina.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_continue,
+)
 from lamina.server.response_store import ResponseStore
 from lamina.server.responses import ModelCard, ModelList
 from lamina.server.responses_api import create_response, delete_response, get_response
@@ -39,7 +45,7 @@ class ServerOptions:
 
 
 def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key: str | None = None,
-               sampling_defaults: dict[str, Any] | None = None) -> ServerState:
+               sampling_defaults: dict[str, Any] | None = None, prompt_tokens_details: bool = False) -> ServerState:
     """Wraps an engine for serving. An EngineConfig gets an engine core process of its own, started here (it
     loads the model while this process loads the tokenizer; returns once the core is ready): what `lamina
     serve` does. An LLMEngine built in this process is served by a core thread that starts with the app
@@ -57,11 +63,12 @@ def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key
         info = client.info
         return ServerState(engine=client, tokenizer=tokenizer, model_names=model_names, model_root=engine.model,
                            max_model_len=info.max_model_len, vocab_size=info.vocab_size, metrics=metrics,
-                           api_key=api_key, sampling_defaults=dict(sampling_defaults or {}))
+                           api_key=api_key, sampling_defaults=dict(sampling_defaults or {}),
+                           prompt_tokens_details=prompt_tokens_details)
     return ServerState(engine=AsyncEngine(engine, observer=metrics), tokenizer=copy.deepcopy(engine.tokenizer),
                        model_names=model_names, model_root=engine.config.model, max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size, metrics=metrics, api_key=api_key,
-                       sampling_defaults=dict(sampling_defaults or {}))
+                       sampling_defaults=dict(sampling_defaults or {}), prompt_tokens_details=prompt_tokens_details)
 
 
 def load_engine_tokenizer(config: EngineConfig):
@@ -166,8 +173,9 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must not be empty", "messages")
+            check_continue(req.add_generation_prompt, req.continue_final_message, req.messages)
             ids = chat_prompt(state, [{"role": m.role, "content": m.text()} for m in req.messages],
-                              req.add_generation_prompt)
+                              req.add_generation_prompt, req.continue_final_message)
         else:
             ids = state.encode(req.prompt, req.add_special_tokens)
         strs = state.need_tokenizer("return_token_strs").convert_ids_to_tokens(ids) if req.return_token_strs else None

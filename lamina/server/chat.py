@@ -12,6 +12,7 @@ from starlette.background import BackgroundTask
 from lamina.llm import chat_prompt_ids
 from lamina.outputs import CompletionOutput
 from lamina.server.errors import bad_request
+from lamina.server.extensions import prompt_logprobs_json, truncate, usage
 from lamina.server.protocol import ChatCompletionRequest
 from lamina.server.responses import (
     ChatChoice,
@@ -20,7 +21,6 @@ from lamina.server.responses import (
     ChatMessageOut,
     ChatStreamChoice,
     Delta,
-    Usage,
     chat_logprobs,
 )
 from lamina.server.serving import (
@@ -39,9 +39,15 @@ from lamina.server.serving import (
 )
 
 
-def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool,
+                continue_final_message: bool = False) -> list[int]:
     try:
-        return chat_prompt_ids(state.need_tokenizer("messages"), messages, add_generation_prompt)
+        tokenizer = state.need_tokenizer("messages")
+        if continue_final_message:  # vLLM's extension: the last (assistant) message stays open
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                                tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return chat_prompt_ids(tokenizer, messages, add_generation_prompt)
     except (ValueError, TypeError, KeyError, TemplateError) as e:  # templates raise on roles they reject
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 
@@ -50,7 +56,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     state.check_model(req.model)
     req.check_supported()
     check_num_seqs(1, req.n)
-    ids = chat_prompt(state, req.template_messages(), req.add_generation_prompt)
+    ids = truncate(chat_prompt(state, req.template_messages(), req.add_generation_prompt, req.continue_final_message),
+                   req.truncate_prompt_tokens, state.max_model_len)
     state.check_max_tokens(len(ids), req.max_output_tokens)
     max_tokens = req.max_output_tokens  # unset: the model's default (shortened to fit) or all the room left
     if max_tokens is None:
@@ -59,7 +66,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, raw, [ids], params, request_id, param="messages")
     if req.stream:
-        return StreamingResponse(_stream(req, state, streams, request_id, len(ids)),
+        return StreamingResponse(_stream(req, state, streams, request_id, ids),
                                  media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
     try:
@@ -67,15 +74,27 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     except ClientDisconnected:
         return Response(status_code=499)
     choices = []
+    echo = _echo(req)
     for comp in out.outputs:
         lp = None
         if req.logprobs and comp.logprobs is not None:
-            lp = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0)
-        choices.append(ChatChoice(index=comp.index, message=ChatMessageOut(content=comp.text), logprobs=lp,
-                                  finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
-    usage = Usage.of(len(ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-    body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
+            lp = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+        choices.append(ChatChoice(index=comp.index, message=ChatMessageOut(content=echo + comp.text), logprobs=lp,
+                                  finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                                  token_ids=list(comp.token_ids) if req.return_token_ids else None))
+    u = usage(len(ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens, state.prompt_tokens_details)
+    body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=u,
+                                  prompt_logprobs=prompt_logprobs_json(ids, out.prompt_logprobs,
+                                                                       req.return_tokens_as_token_ids)
+                                  if req.prompt_logprobs is not None else None,
+                                  prompt_token_ids=list(ids) if req.return_token_ids else None)
     return JSONResponse(body.model_dump())
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the reply starts with the last message's content when that is the assistant's."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == "assistant" else ""
 
 
 def _delta(req: ChatCompletionRequest, comp: CompletionOutput, sent: Sent) -> ChatStreamChoice | None:
@@ -84,36 +103,49 @@ def _delta(req: ChatCompletionRequest, comp: CompletionOutput, sent: Sent) -> Ch
     lp = None
     if req.logprobs and comp.logprobs is not None and n_tok > sent.tokens:
         # Bound by the token count: the engine thread may already have appended the next position.
-        lp = chat_logprobs(comp.token_ids[sent.tokens:], comp.logprobs[sent.tokens:n_tok], req.top_logprobs or 0)
+        lp = chat_logprobs(comp.token_ids[sent.tokens:], comp.logprobs[sent.tokens:n_tok], req.top_logprobs or 0,
+                           req.return_tokens_as_token_ids)
     finish = comp.finish_reason
     if not text and lp is None and finish is None:
         return None
+    new_ids = list(comp.token_ids[sent.tokens:n_tok])
     sent.text, sent.tokens, sent.done = len(comp.text), n_tok, finish is not None
     return ChatStreamChoice(index=comp.index, delta=Delta(content=text or None), logprobs=lp,
-                            finish_reason=finish, stop_reason=comp.stop_reason)
+                            finish_reason=finish, stop_reason=comp.stop_reason,
+                            token_ids=new_ids if req.return_token_ids else None)
 
 
-async def _stream(req: ChatCompletionRequest, state: ServerState, streams, request_id: str, num_prompt: int):
+async def _stream(req: ChatCompletionRequest, state: ServerState, streams, request_id: str,
+                  prompt_ids: list[int]):
+    num_prompt = len(prompt_ids)
     created = int(time.time())
 
-    def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+    def chunk(choices: list[ChatStreamChoice], u=None, prompt_ids: list[int] | None = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
-                                       usage=usage))
+                                       usage=u, prompt_token_ids=prompt_ids))
+
+    def usage_of(out) -> object:
+        return usage(num_prompt, sum(len(c.token_ids) for c in out.outputs) if out is not None else 0,
+                     out.num_cached_tokens if out is not None else 0, state.prompt_tokens_details)
 
     sent = {i: Sent() for i in range(req.n)}
     final = None
+    echo = _echo(req)
     try:
-        # OpenAI opens every choice with the role before any content.
-        yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(req.n)])
+        # OpenAI opens every choice with the role before any content; one choice per chunk, as OpenAI and
+        # vLLM send them.
+        for i in range(req.n):
+            yield chunk([ChatStreamChoice(index=i, delta=Delta(role="assistant", content=echo))],
+                        usage_of(None) if req.continuous_usage else None,
+                        prompt_ids if req.return_token_ids and i == 0 else None)
         async for _, out in merge(streams):
             final = out
             choices = [c for c in (_delta(req, comp, sent[comp.index]) for comp in out.outputs
                                    if not sent[comp.index].done) if c is not None]
-            if choices:
-                yield chunk(choices)
+            for c in choices:
+                yield chunk([c], usage_of(out) if req.continuous_usage else None)
         if req.include_usage and final is not None:
-            yield chunk([], Usage.of(num_prompt, sum(len(c.token_ids) for c in final.outputs),
-                                     final.num_cached_tokens))
+            yield chunk([], usage_of(final))
     except Exception as exc:  # headers are out: report in-band, then end the stream cleanly
         yield error_event(exc)
     finally:

@@ -43,6 +43,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--responses-store-size", type=nonnegative_int, default=0,
                    help="Responses API: keep this many responses in memory for previous_response_id and GET "
                         "/v1/responses/{id} (least recently used go first; default: 0, stateless)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details (prefix-cache hits as cached_tokens) to OpenAI responses; "
+                        "off: usage objects are exactly OpenAI's default three numbers")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
@@ -76,7 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # A signal during loading ends it quietly (the core process goes with make_state's clean-up).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        state = make_state(EngineConfig(**engine_kwargs(args)), names, args.api_key, defaults)
+        state = make_state(EngineConfig(**engine_kwargs(args)), names, args.api_key, defaults,
+                           prompt_tokens_details=args.enable_prompt_tokens_details)
     except (RuntimeError, ValueError) as e:
         log.error("lamina serve: %s", e)
         return 1

@@ -20,6 +20,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (with include_usage)
 
 
 class _Sampling(_Body):
@@ -45,16 +46,26 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False  # prompt and output token ids in the response
+    return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:N"
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last N (-1: max_model_len)
 
     def check_supported(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.truncate_prompt_tokens == 0:
+            raise bad_request("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None,
                         vocab_size: int | None = None) -> SamplingParams:
@@ -75,7 +86,7 @@ class _Sampling(_Body):
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.prompt_logprobs)
             params.validate(vocab_size)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), getattr(e, "param", None)) from None
@@ -122,7 +133,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str  # any role: the chat template renders it or refuses it (a 400 naming the template's reason)
     content: str | list[TextPart | dict[str, Any]] | None = None
     name: str | None = None
 
@@ -148,9 +159,12 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    echo: bool = False  # the reply starts with the last message's content when that is the assistant's
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_continue(self.add_generation_prompt, self.continue_final_message, self.messages)
         if self.tools:
             raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -170,12 +184,25 @@ class ChatCompletionRequest(_Sampling):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+def check_continue(add_generation_prompt: bool, continue_final_message: bool, messages: list[ChatMessage] | None
+                   ) -> None:
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
+                          "add_generation_prompt to false)", "continue_final_message")
+    if messages and messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs the last message to be the assistant's",
+                          "continue_final_message")
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -33,6 +33,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's generation config
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
 
     @property
     def model_name(self) -> str:
