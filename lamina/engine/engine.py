@@ -39,6 +39,7 @@ class EngineStats:
     num_snapshot_hits: int = 0  # hybrid prefix-cache hits (restored state snapshots), cumulative
     num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, cumulative
     num_step_failures: int = 0  # steps that raised and were retried without the requests that caused it
+    num_preemptions: int = 0  # sequences preempted (blocks freed, recomputed later), cumulative
 
     @property
     def kv_cache_usage(self) -> float:
@@ -162,7 +163,7 @@ class LLMEngine:
                            self.allocator.num_blocks,
                            self.prefix_cache.snapshot_hits if self.prefix_cache is not None else 0,
                            self.prefix_cache.queried_tokens if self.prefix_cache is not None else 0,
-                           self.num_step_failures)
+                           self.num_step_failures, self.scheduler.num_preemptions)
 
     # ---- the step -------------------------------------------------------------------------------
     num_step_failures = 0  # steps whose forward or sampling raised (each retried without its culprit)
@@ -349,5 +350,9 @@ class LLMEngine:
         metrics = {"arrival_time": group.arrival_time}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
+        scheduled = [s.first_scheduled_time for s in group.seqs if s.first_scheduled_time is not None]
+        if scheduled:
+            metrics["first_scheduled_time"] = min(scheduled)
+        metrics["num_preemptions"] = sum(s.num_preemptions for s in group.seqs)
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
                              first.prompt_logprobs, first.num_cached_tokens, group.error, metrics)

@@ -58,6 +58,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when it first got a step (the end of its queueing)
 
     @property
     def num_tokens(self) -> int:

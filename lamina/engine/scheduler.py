@@ -6,6 +6,7 @@ plus the tokens it already produced, so its output is unchanged.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # cumulative, for metrics
+        self.num_scheduled_tokens = 0  # tokens in the last step scheduled
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -78,6 +81,7 @@ class Scheduler:
         self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -117,6 +121,11 @@ class Scheduler:
                 i += 1
         if not preempted:  # new sequences only when nothing was preempted (avoids thrashing the pool)
             self._admit_waiting(budget, scheduled)
+        now = time.monotonic()
+        for s in scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+        self.num_scheduled_tokens = sum(s.num_tokens for s in scheduled)  # this step's (for metrics)
         return SchedulerOutput(scheduled)
 
     def _drafts(self, seq: Sequence, n: int, budget: int) -> int:

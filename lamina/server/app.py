@@ -61,10 +61,12 @@ def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key
             client.shutdown(timeout=5)
             raise
         info = client.info
+        metrics.set_cache_config(engine.block_size, info.num_total_blocks, engine.enable_prefix_caching)
         return ServerState(engine=client, tokenizer=tokenizer, model_names=model_names, model_root=engine.model,
                            max_model_len=info.max_model_len, vocab_size=info.vocab_size, metrics=metrics,
                            api_key=api_key, sampling_defaults=dict(sampling_defaults or {}),
                            prompt_tokens_details=prompt_tokens_details)
+    metrics.set_cache_config(engine.config.block_size, engine.allocator.num_blocks, engine.config.enable_prefix_caching)
     return ServerState(engine=AsyncEngine(engine, observer=metrics), tokenizer=copy.deepcopy(engine.tokenizer),
                        model_names=model_names, model_root=engine.config.model, max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size, metrics=metrics, api_key=api_key,

@@ -80,6 +80,8 @@ async def start_requests(state: ServerState, raw: Request | None, prompts: list[
     streams: list[RequestStream] = []
     ok = False
 
+    state.metrics.on_request(params.n, params.max_tokens)  # once per request, whatever its prompt count
+
     async def add_all() -> None:
         # Queued together (in order), so the engine takes them in one pass instead of one per step.
         adds = [state.engine.add_request(state.engine.new_request_id(prefix), {"prompt_token_ids": ids}, params)
