@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.server.agent_output import Piece, Splitter, ToolCall
 from lamina.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from lamina.server.conversation import Prompt, forced_prefill, render_prompt, splitter_for
+from lamina.server.conversation import Prompt, forced_prefill, keeps_special_tokens, render_prompt, splitter_for
 from lamina.server.errors import APIError, validation_error
 from lamina.server.serving import (
     SSE_HEADERS,
@@ -120,6 +120,7 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
     prompt, tools = _prompt(req, state)
     state.check_max_tokens(len(prompt.ids), req.max_tokens)
     params = req.sampling_params(state.sampling_defaults, state.vocab_size)
+    params.skip_special_tokens = not keeps_special_tokens(state, tools)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     try:
         streams = await start_requests(state, raw, [prompt.ids], params, message_id, param="messages")

@@ -102,19 +102,41 @@ def render_prompt(state: ServerState, messages: list[dict], tools: list[dict] | 
                   tail=text[-256:])
 
 
+def _configured_parsers(state: ServerState) -> tuple[Any, Any]:
+    """The parser classes named at start-up (ServerState.reasoning_parser / tool_call_parser, vLLM's
+    --reasoning-parser / --tool-call-parser names; absent or None when not configured)."""
+    reasoning_name = getattr(state, "reasoning_parser", None)
+    tool_name = getattr(state, "tool_call_parser", None)
+    reasoning_cls = tool_cls = None
+    if reasoning_name:
+        from lamina.server.reasoning import get_reasoning_parser
+
+        reasoning_cls = get_reasoning_parser(reasoning_name)
+    if tool_name:
+        from lamina.server.tools import get_parser
+
+        tool_cls = get_parser(tool_name)
+    return reasoning_cls, tool_cls
+
+
 def splitter_for(state: ServerState, prompt: Prompt, tools: list[dict] | None, thinking: bool) -> Splitter:
-    """The output splitter of one reply. The parsers chosen at start-up (ServerState attributes
-    `reasoning_parser` / `tool_parser`: parser classes, absent or None when not configured) win over the
-    built-in `<think>` / Hermes formats."""
-    return make_splitter(getattr(state, "reasoning_parser", None), getattr(state, "tool_parser", None),
-                         reasoning=thinking, tools=tools, prompt_tail=prompt.tail,
+    """The output splitter of one reply: the server's configured parsers win over the built-in `<think>` /
+    Hermes formats."""
+    reasoning_cls, tool_cls = _configured_parsers(state)
+    return make_splitter(reasoning_cls, tool_cls, reasoning=thinking, tools=tools, prompt_tail=prompt.tail,
                          starts_in_reasoning=prompt.starts_in_reasoning, prefix=prompt.prefill)
+
+
+def keeps_special_tokens(state: ServerState, tools: list[dict] | None) -> bool:
+    """Whether the reply must be detokenized with its special tokens (a tool format whose markers are)."""
+    _, tool_cls = _configured_parsers(state)
+    return bool(tools) and tool_cls is not None and bool(getattr(tool_cls, "needs_special_tokens", False))
 
 
 def forced_prefill(state: ServerState, choice: str | None, tools: list[dict] | None) -> str:
     """forced_call_prefill for the built-in Hermes format; nothing when the server has its own tool parser
     (whose format the opening would not match)."""
-    return "" if getattr(state, "tool_parser", None) is not None else forced_call_prefill(choice, tools or [])
+    return "" if getattr(state, "tool_call_parser", None) else forced_call_prefill(choice, tools or [])
 
 
 def forced_call_prefill(choice: str | None, tools: list[dict]) -> str:

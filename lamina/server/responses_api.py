@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 
 from lamina.outputs import RequestOutput
 from lamina.server.agent_output import Piece, Splitter, ToolCall
-from lamina.server.conversation import forced_prefill, render_prompt, splitter_for
+from lamina.server.conversation import forced_prefill, keeps_special_tokens, render_prompt, splitter_for
 from lamina.server.errors import APIError
 from lamina.server.response_store import ResponseStore, StoredResponse
 from lamina.server.responses_protocol import ResponsesRequest
@@ -204,6 +204,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
     state.check_max_tokens(len(prompt.ids), req.max_output_tokens)
     max_tokens = req.max_output_tokens or state.sampling_defaults.get("max_tokens")
     params = req.sampling_params(max_tokens, state.sampling_defaults, state.vocab_size)
+    params.skip_special_tokens = not keeps_special_tokens(state, tools)
     run = _Run(req, state, store, history, len(prompt.ids))
     try:
         streams = await start_requests(state, raw, [prompt.ids], params, run.id, param="input")

@@ -134,3 +134,27 @@ def test_configured_parsers_plug_in():
     assert [(c.name, c.input()) for c in calls] == [("f", {"a": 1})]
     assert isinstance(make_splitter(None, _Calls, reasoning=True, tools=None, prompt_tail="",
                                     starts_in_reasoning=False), OutputSplitter)  # no tools: nothing to parse
+
+
+def test_parsers_named_at_start_up_are_used(monkeypatch):
+    """ServerState names the parsers (vLLM's flags); the registries resolve them (stand-ins here)."""
+    import sys
+    import types
+
+    from lamina.server.agent_output import ParsedSplitter
+    from lamina.server.conversation import Prompt, forced_prefill, keeps_special_tokens, splitter_for
+
+    monkeypatch.setattr(_Calls, "needs_special_tokens", True, raising=False)
+    reasoning_mod = types.ModuleType("lamina.server.reasoning")
+    reasoning_mod.get_reasoning_parser = {"qwen3": _Split}.__getitem__
+    tools_mod = types.ModuleType("lamina.server.tools")
+    tools_mod.get_parser = {"hermes": _Calls}.__getitem__
+    monkeypatch.setitem(sys.modules, "lamina.server.reasoning", reasoning_mod)
+    monkeypatch.setitem(sys.modules, "lamina.server.tools", tools_mod)
+    state = SimpleNamespace(reasoning_parser="qwen3", tool_call_parser="hermes")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    s = splitter_for(state, Prompt([1], False, "", "tail"), tools, thinking=False)
+    assert isinstance(s, ParsedSplitter) and s.reasoning.prompt_text == "tail" and s.tools is not None
+    assert keeps_special_tokens(state, tools) and not keeps_special_tokens(state, None)
+    assert forced_prefill(state, "any", tools) == ""  # the configured format, not Hermes, is expected
+    assert forced_prefill(SimpleNamespace(), "any", tools).startswith("<tool_call>")
