@@ -226,3 +226,17 @@ def make_splitter(reasoning_parser=None, tool_parser=None, *, reasoning: bool, t
                               tool_parser(tools) if tool_parser is not None and tools else None, prefix)
     return OutputSplitter(reasoning=reasoning, tools=bool(tools), starts_in_reasoning=starts_in_reasoning,
                           prefix=prefix)
+
+
+class OneCall:
+    """A splitter that keeps only the first tool call (parallel calls switched off by the request)."""
+
+    def __init__(self, inner: Splitter) -> None:
+        self.inner = inner
+
+    def feed(self, text: str) -> list[Piece]:
+        return self.inner.feed(text)
+
+    def finish(self, text: str) -> tuple[list[Piece], list[ToolCall]]:
+        pieces, calls = self.inner.finish(text)
+        return pieces, calls[:1]

@@ -126,7 +126,8 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
         streams = await start_requests(state, raw, [prompt.ids], params, message_id, param="messages")
     except ClientDisconnected:
         return Response(status_code=499)
-    splitter = splitter_for(state, prompt, tools, req.thinking is not None and req.thinking.on)
+    splitter = splitter_for(state, prompt, tools, req.thinking is not None and req.thinking.on,
+                            parallel_calls=req.tool_choice is None or not req.tool_choice.disable_parallel_tool_use)
     model = req.model or state.model_name
     if req.stream:
         return StreamingResponse(_stream(state, streams, message_id, model, len(prompt.ids), splitter),

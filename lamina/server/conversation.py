@@ -16,7 +16,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from lamina.server.agent_output import CALL_CLOSE, CALL_OPEN, THINK_OPEN, Splitter, make_splitter
+from lamina.server.agent_output import CALL_CLOSE, CALL_OPEN, THINK_OPEN, OneCall, Splitter, make_splitter
 from lamina.server.errors import bad_request
 from lamina.server.serving import ServerState
 
@@ -119,10 +119,13 @@ def _configured_parsers(state: ServerState) -> tuple[Any, Any]:
     return reasoning_cls, tool_cls
 
 
-def splitter_for(state: ServerState, prompt: Prompt, tools: list[dict] | None, thinking: bool) -> Splitter:
+def splitter_for(state: ServerState, prompt: Prompt, tools: list[dict] | None, thinking: bool,
+                 parallel_calls: bool = True) -> Splitter:
     """The output splitter of one reply: the server's configured parsers win over the built-in `<think>` /
-    Hermes formats."""
+    Hermes formats. Without parallel_calls only the first tool call is kept."""
     reasoning_cls, tool_cls = _configured_parsers(state)
+    if not parallel_calls:
+        return OneCall(splitter_for(state, prompt, tools, thinking))
     return make_splitter(reasoning_cls, tool_cls, reasoning=thinking, tools=tools, prompt_tail=prompt.tail,
                          starts_in_reasoning=prompt.starts_in_reasoning, prefix=prompt.prefill)
 

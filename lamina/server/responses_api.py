@@ -210,7 +210,8 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
         streams = await start_requests(state, raw, [prompt.ids], params, run.id, param="input")
     except ClientDisconnected:
         return Response(status_code=499)
-    splitter = splitter_for(state, prompt, tools, req.reasoning is not None and req.reasoning.on)
+    splitter = splitter_for(state, prompt, tools, req.reasoning is not None and req.reasoning.on,
+                            parallel_calls=req.parallel_tool_calls)
     if req.stream:
         return StreamingResponse(_stream(run, streams, splitter), media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))

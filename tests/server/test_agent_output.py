@@ -158,3 +158,12 @@ def test_parsers_named_at_start_up_are_used(monkeypatch):
     assert keeps_special_tokens(state, tools) and not keeps_special_tokens(state, None)
     assert forced_prefill(state, "any", tools) == ""  # the configured format, not Hermes, is expected
     assert forced_prefill(SimpleNamespace(), "any", tools).startswith("<tool_call>")
+
+
+def test_parallel_calls_off_keeps_the_first():
+    from lamina.server.conversation import Prompt, splitter_for
+
+    s = splitter_for(SimpleNamespace(), Prompt([1], False, ""), [{"type": "function"}], thinking=True,
+                     parallel_calls=False)
+    _, calls = _run(s, REPLY, 4)
+    assert [c.name for c in calls] == ["get_weather"]
