@@ -86,7 +86,9 @@ def render_prompt(state: ServerState, messages: list[dict], tools: list[dict] | 
         raise bad_request("messages must not be empty", "messages")
     native = template_knows_tools(tokenizer)
     msgs = messages if native else _inline_tools(messages, tools)
-    continue_final = msgs[-1]["role"] == "assistant"
+    # An assistant turn that ends in tool calls is finished (its results come next); only text is continued.
+    last = messages[-1]
+    continue_final = last["role"] == "assistant" and not last.get("tool_calls") and bool(last.get("content"))
     kwargs: dict[str, Any] = dict(template_kwargs or {})
     if native and tools:
         kwargs["tools"] = tools

@@ -197,10 +197,16 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
                            "previous_response_id")
         history = list(prev.conversation)
     history += req.conversation()
-    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages = history
+    if req.instructions:  # one system turn, first: templates may insist
+        if history and history[0]["role"] == "system":
+            messages = [{"role": "system", "content": req.instructions + "\n\n" + history[0]["content"]},
+                        *history[1:]]
+        else:
+            messages = [{"role": "system", "content": req.instructions}, *history]
     tools = req.openai_tools()
     prefill = forced_prefill(state, req.forced_tool(), tools)
-    prompt = render_prompt(state, system + history, tools, req.template_kwargs(), prefill)
+    prompt = render_prompt(state, messages, tools, req.template_kwargs(), prefill)
     state.check_max_tokens(len(prompt.ids), req.max_output_tokens)
     max_tokens = req.max_output_tokens or state.sampling_defaults.get("max_tokens")
     params = req.sampling_params(max_tokens, state.sampling_defaults, state.vocab_size)

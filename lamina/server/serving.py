@@ -80,8 +80,6 @@ async def start_requests(state: ServerState, raw: Request | None, prompts: list[
     streams: list[RequestStream] = []
     ok = False
 
-    state.metrics.on_request(params.n, params.max_tokens)  # once per request, whatever its prompt count
-
     async def add_all() -> None:
         # Queued together (in order), so the engine takes them in one pass instead of one per step.
         adds = [state.engine.add_request(state.engine.new_request_id(prefix), {"prompt_token_ids": ids}, params)
@@ -102,6 +100,7 @@ async def start_requests(state: ServerState, raw: Request | None, prompts: list[
                 raise ClientDisconnected()
         await adding
         ok = True
+        state.metrics.on_request(params.n, params.max_tokens)  # accepted requests, once whatever their prompts
     except EngineDeadError as e:
         raise APIError(str(e), 503) from None
     except ValueError as e:  # the engine's validation of the prompt and the parameters
