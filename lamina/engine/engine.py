@@ -107,8 +107,10 @@ class LLMEngine:
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)][:1]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is out of vocabulary: prompt token ids must be integers "
+                                 f"in [0, {vocab})")
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 

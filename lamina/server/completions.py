@@ -13,7 +13,6 @@ from starlette.background import BackgroundTask
 
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.server.extensions import (
-    check_prompt_ids,
     echo_logprobs,
     join_logprobs,
     prompt_logprobs_json,
@@ -46,8 +45,6 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     if req.echo:
         state.need_tokenizer("echo")
     prompt_ids = [truncate(state.encode(p), req.truncate_prompt_tokens, state.max_model_len) for p in prompts]
-    for ids in prompt_ids:
-        check_prompt_ids(ids, state.vocab_size)
     for ids in prompt_ids:
         state.check_max_tokens(len(ids), req.max_tokens)
     # Unset: the model's default or OpenAI's 16, shortened by the engine to what fits.

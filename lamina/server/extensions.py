@@ -8,19 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from lamina.outputs import PositionLogprobs
-from lamina.server.errors import bad_request
 from lamina.server.responses import CompletionLogprobs, Usage
 
 
 def token_id_str(token_id: int) -> str:
     """vLLM's return_tokens_as_token_ids spelling: unambiguous where a token does not decode on its own."""
     return f"token_id:{token_id}"
-
-
-def check_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise bad_request(f"Token id {t} is out of vocabulary (vocabulary size {vocab_size})", param)
 
 
 def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
