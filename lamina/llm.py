@@ -122,9 +122,10 @@ class LLM:
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> list[int]:
     """The chat template applied to messages (tools: function definitions the template renders;
-    template_kwargs: extra template variables such as enable_thinking)."""
+    template_kwargs: extra template variables such as enable_thinking; continue_final_message: the last,
+    assistant, message stays open for the reply to continue, vLLM's extension)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     for m in messages:
@@ -135,6 +136,8 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], add_generation_pr
     extra = dict(template_kwargs or {})
     if tools:
         extra["tools"] = tools
+    if continue_final_message:
+        extra["continue_final_message"], add_generation_prompt = True, False
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                         **extra)
     if hasattr(out, "keys"):

@@ -84,6 +84,7 @@ class EngineCore:
         `error` set) instead of propagating."""
         try:
             outputs = self.engine.step()
+            it.num_step_tokens += self.engine.scheduler.num_scheduled_tokens
         except Exception as exc:
             if not contain_failures:
                 raise
@@ -134,6 +135,17 @@ class EngineCore:
                 tr.last_token_time[comp.index] = now
         if out.finished:
             del self._trackers[out.request_id]
-            it.finished.append(FinishedRequest(out.outputs[0].finish_reason or "stop", now - tr.arrival,
-                                               len(out.prompt_token_ids),
-                                               sum(len(c.token_ids) for c in out.outputs)))
+            it.finished.append(finished_request(out, now, tr.arrival))
+
+
+def finished_request(out: RequestOutput, now: float, arrival: float) -> FinishedRequest:
+    """A finished request's numbers; the phases come from the engine's own (monotonic) timestamps."""
+    m = out.metrics
+    arrived, scheduled, first = m.get("arrival_time", arrival), m.get("first_scheduled_time"), m.get("first_token_time")
+    return FinishedRequest(out.outputs[0].finish_reason or "stop", now - arrival, len(out.prompt_token_ids),
+                           sum(len(c.token_ids) for c in out.outputs),
+                           queue_time=None if scheduled is None else max(scheduled - arrived, 0.0),
+                           prefill_time=None if scheduled is None or first is None else max(first - scheduled, 0.0),
+                           decode_time=None if first is None else max(now - first, 0.0),
+                           inference_time=None if scheduled is None else max(now - scheduled, 0.0),
+                           num_preemptions=int(m.get("num_preemptions", 0)))

@@ -54,6 +54,7 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] | None = None
+    num_preemptions: int = 0  # sequences preempted (blocks freed, recomputed later), cumulative
 
     @property
     def kv_cache_usage(self) -> float:
@@ -134,8 +135,10 @@ class LLMEngine:
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)][:1]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is out of vocabulary: prompt token ids must be integers "
+                                 f"in [0, {vocab})")
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
@@ -236,7 +239,8 @@ class LLMEngine:
                            self.prefix_cache.queried_tokens if self.prefix_cache is not None else 0,
                            self.num_step_failures, *((spec.num_drafts, spec.num_draft_tokens,
                                                       spec.num_accepted_tokens, list(spec.accepted_per_position))
-                                                     if spec is not None else ()))
+                                                     if spec is not None else ()),
+                           num_preemptions=self.scheduler.num_preemptions)
 
     # ---- the step -------------------------------------------------------------------------------
     num_step_failures = 0  # steps whose forward or sampling raised (each retried without its culprit)
@@ -447,5 +451,9 @@ class LLMEngine:
         metrics = {"arrival_time": group.arrival_time}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
+        scheduled = [s.first_scheduled_time for s in group.seqs if s.first_scheduled_time is not None]
+        if scheduled:
+            metrics["first_scheduled_time"] = min(scheduled)
+        metrics["num_preemptions"] = sum(s.num_preemptions for s in group.seqs)
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
                              first.prompt_logprobs, first.num_cached_tokens, group.error, metrics)

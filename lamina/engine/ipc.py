@@ -31,6 +31,12 @@ class FinishedRequest:
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Phases (seconds; None when the request never got that far) and preemptions, as vLLM reports them.
+    queue_time: float | None = None  # arrival -> first scheduled
+    prefill_time: float | None = None  # first scheduled -> first token
+    decode_time: float | None = None  # first token -> finish
+    inference_time: float | None = None  # first scheduled -> finish
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -44,6 +50,7 @@ class IterationStats:
     finished: list[FinishedRequest] = field(default_factory=list)
     step_failed: bool = False  # engine.step() raised and the requests in flight were failed
     num_added: int = 0  # requests admitted into the engine just before this iteration's step
+    num_step_tokens: int = 0  # tokens the step scheduled (prefill chunks, decodes, drafts)
 
 
 # ---- client -> core -------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     grammar: Any = None  # lamina.structured.state.GrammarState of a structured-output request
+    first_scheduled_time: float | None = None  # when it first got a step (the end of its queueing)
 
     @property
     def num_tokens(self) -> int:

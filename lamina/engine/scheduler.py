@@ -8,6 +8,7 @@ first, and a request under its share may take blocks from it to be admitted.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -65,6 +66,8 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # cumulative, for metrics
+        self.num_scheduled_tokens = 0  # tokens in the last step scheduled
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,6 +89,7 @@ class Scheduler:
         self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -147,6 +151,11 @@ class Scheduler:
         # requests under their fair share.
         if not preempted or shares is not None:
             self._admit_waiting(budget, scheduled, shares, fresh_only=preempted)
+        now = time.monotonic()
+        for s in scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+        self.num_scheduled_tokens = sum(s.num_tokens for s in scheduled)  # this step's (for metrics)
         return SchedulerOutput(scheduled)
 
     def _pressure(self) -> Shares | None:

@@ -13,13 +13,24 @@ from fastapi.responses import JSONResponse, Response
 from lamina.config import EngineConfig
 from lamina.engine.async_engine import AsyncEngine
 from lamina.engine.engine import LLMEngine
+from lamina.server.anthropic import AnthropicRoute, count_tokens, create_message
+from lamina.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from lamina.server.chat import chat_prompt, create_chat_completion
 from lamina.server.completions import create_completion
 from lamina.server.errors import APIError, bad_request, install_error_handlers
 from lamina.server.limits import BodyLimits
 from lamina.server.metrics import ServerMetrics
-from lamina.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from lamina.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_continue,
+)
+from lamina.server.response_store import ResponseStore
 from lamina.server.responses import ModelCard, ModelList
+from lamina.server.responses_api import create_response, delete_response, get_response
+from lamina.server.responses_protocol import ResponsesRequest
 from lamina.server.serving import ServerState
 
 
@@ -30,10 +41,11 @@ class ServerOptions:
     max_body_bytes: int = 4 * 2**20  # larger request bodies get a 413
     body_timeout: float = 30.0  # seconds to receive a body once its headers are in (then a 408)
     enable_docs: bool = False  # /docs, /redoc, /openapi.json (behind the API key when there is one)
+    responses_store_size: int = 0  # Responses API: how many stored responses to keep (0: stateless)
 
 
 def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key: str | None = None,
-               sampling_defaults: dict[str, Any] | None = None) -> ServerState:
+               sampling_defaults: dict[str, Any] | None = None, prompt_tokens_details: bool = False) -> ServerState:
     """Wraps an engine for serving. An EngineConfig gets an engine core process of its own, started here (it
     loads the model while this process loads the tokenizer; returns once the core is ready): what `lamina
     serve` does. An LLMEngine built in this process is served by a core thread that starts with the app
@@ -50,13 +62,16 @@ def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key
             client.shutdown(timeout=5)
             raise
         info = client.info
+        metrics.set_cache_config(engine.block_size, info.num_total_blocks, engine.enable_prefix_caching)
         return ServerState(engine=client, tokenizer=tokenizer, model_names=model_names, model_root=engine.model,
                            max_model_len=info.max_model_len, vocab_size=info.vocab_size, metrics=metrics,
-                           api_key=api_key, sampling_defaults=dict(sampling_defaults or {}))
+                           api_key=api_key, sampling_defaults=dict(sampling_defaults or {}),
+                           prompt_tokens_details=prompt_tokens_details)
+    metrics.set_cache_config(engine.config.block_size, engine.allocator.num_blocks, engine.config.enable_prefix_caching)
     return ServerState(engine=AsyncEngine(engine, observer=metrics), tokenizer=copy.deepcopy(engine.tokenizer),
                        model_names=model_names, model_root=engine.config.model, max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size, metrics=metrics, api_key=api_key,
-                       sampling_defaults=dict(sampling_defaults or {}))
+                       sampling_defaults=dict(sampling_defaults or {}), prompt_tokens_details=prompt_tokens_details)
 
 
 def load_engine_tokenizer(config: EngineConfig):
@@ -110,7 +125,9 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
         if state.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
             raise APIError("Incorrect API key provided.", 401, code="invalid_api_key")
 
     api = APIRouter(dependencies=[Depends(check_key)])
@@ -137,6 +154,20 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(req, raw, state)
 
+    store = ResponseStore(options.responses_store_size)  # this app's; several apps may share a process
+
+    @api.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(req, raw, state, store)
+
+    @api.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str) -> Response:
+        return get_response(store, response_id)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str) -> Response:
+        return delete_response(store, response_id)
+
     @api.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         state.check_model(req.model)
@@ -145,8 +176,9 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must not be empty", "messages")
+            check_continue(req.add_generation_prompt, req.continue_final_message, req.messages)
             ids = chat_prompt(state, [{"role": m.role, "content": m.text()} for m in req.messages],
-                              req.add_generation_prompt)
+                              req.add_generation_prompt, req.continue_final_message)
         else:
             ids = state.encode(req.prompt, req.add_special_tokens)
         strs = state.need_tokenizer("return_token_strs").convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -164,7 +196,23 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
     if options.enable_docs:
         _add_docs(app, api)
     app.include_router(api)
+    app.include_router(_anthropic_routes(state, check_key))
     return app
+
+
+def _anthropic_routes(state: ServerState, check_key) -> APIRouter:
+    """Anthropic's Messages API; its errors take Anthropic's shape (AnthropicRoute)."""
+    router = APIRouter(dependencies=[Depends(check_key)], route_class=AnthropicRoute)
+
+    @router.post("/v1/messages")
+    async def messages(req: MessagesRequest, raw: Request) -> Response:
+        return await create_message(req, raw, state)
+
+    @router.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> Response:
+        return await count_tokens(req, state)
+
+    return router
 
 
 def _add_docs(app: FastAPI, api: APIRouter) -> None:

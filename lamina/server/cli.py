@@ -10,6 +10,7 @@ from lamina.args import (
     add_engine_args,
     add_generation_config_arg,
     engine_kwargs,
+    nonnegative_int,
     port_number,
     positive_float,
 )
@@ -40,6 +41,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (default: off; behind --api-key when one is set)")
     add_output_parsing_args(p)
+    p.add_argument("--responses-store-size", type=nonnegative_int, default=0,
+                   help="Responses API: keep this many responses in memory for previous_response_id and GET "
+                        "/v1/responses/{id} (least recently used go first; default: 0, stateless)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details (prefix-cache hits as cached_tokens) to OpenAI responses; "
+                        "off: usage objects are exactly OpenAI's default three numbers")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
@@ -88,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # A signal during loading ends it quietly (the core process goes with make_state's clean-up).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        state = make_state(EngineConfig(**engine_kwargs(args)), names, args.api_key, defaults)
+        state = make_state(EngineConfig(**engine_kwargs(args)), names, args.api_key, defaults,
+                           prompt_tokens_details=args.enable_prompt_tokens_details)
     except (RuntimeError, ValueError) as e:
         log.error("lamina serve: %s", e)
         return 1
@@ -100,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state.tool_call_parser, state.enable_auto_tool_choice = args.tool_call_parser, args.enable_auto_tool_choice
     state.reasoning_parser = args.reasoning_parser
     options = ServerOptions(max_body_bytes=int(args.max_request_body_mb * 2**20), body_timeout=args.body_timeout,
-                            enable_docs=args.enable_docs)
+                            enable_docs=args.enable_docs, responses_store_size=args.responses_store_size)
     app = build_app(state, options)
     info = state.engine.info
 

@@ -25,6 +25,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (with include_usage)
 
 
 def check_constraint(spec: StructuredOutputsParams | None, param: str) -> None:
@@ -63,6 +64,10 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False  # prompt and output token ids in the response
+    return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:N"
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last N (-1: max_model_len)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -114,10 +119,16 @@ class _Sampling(_Body):
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.truncate_prompt_tokens == 0:
+            raise bad_request("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None,
                         vocab_size: int | None = None,
@@ -143,7 +154,8 @@ class _Sampling(_Body):
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
-                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, structured_outputs=constraint)
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, structured_outputs=constraint,
+                prompt_logprobs=self.prompt_logprobs)
             params.validate(vocab_size)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), getattr(e, "param", None)) from None
@@ -190,7 +202,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str  # any role: the chat template renders it or refuses it (a 400 naming the template's reason)
     content: str | list[TextPart | dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
@@ -249,9 +261,12 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    echo: bool = False  # the reply starts with the last message's content when that is the assistant's
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_continue(self.add_generation_prompt, self.continue_final_message, self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 
@@ -267,12 +282,25 @@ class ChatCompletionRequest(_Sampling):
         return [m.template_dict() for m in self.messages]
 
 
+def check_continue(add_generation_prompt: bool, continue_final_message: bool, messages: list[ChatMessage] | None
+                   ) -> None:
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
+                          "add_generation_prompt to false)", "continue_final_message")
+    if messages and messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs the last message to be the assistant's",
+                          "continue_final_message")
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -40,6 +40,10 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extensions: present (null unless asked for), as vLLM sends them
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -96,6 +100,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM: return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -105,6 +110,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's extensions
+    prompt_token_ids: list[int] | None = None
 
 
 class Delta(BaseModel):
@@ -125,6 +132,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM: return_token_ids (this chunk's)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -134,6 +142,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM: return_token_ids (first chunk)
 
 
 class ModelCard(BaseModel):
@@ -161,35 +170,39 @@ def _top(pos: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
     return sorted(ranked, key=lambda x: x[1].rank)
 
 
-def _tok(lp: Logprob) -> str:
+def _tok(lp: Logprob, token_id: int | None = None) -> str:
+    """The token's text; with token_id (return_tokens_as_token_ids), vLLM's "token_id:N" instead."""
+    if token_id is not None:
+        return f"token_id:{token_id}"
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
 def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num: int,
-                        start_offset: int) -> CompletionLogprobs:
+                        start_offset: int, as_ids: bool = False) -> CompletionLogprobs:
     """Legacy completions shape; text_offset counts from start_offset (the text already sent)."""
     out = CompletionLogprobs()
     offset = start_offset
     for tid, pos in zip(token_ids, positions):
         chosen = _chosen(pos, tid)
-        token = _tok(chosen)
+        token = _tok(chosen, tid if as_ids else None)
         out.tokens.append(token)
         out.token_logprobs.append(chosen.logprob)
         out.text_offset.append(offset)
         offset += len(token)
-        top = {_tok(lp): lp.logprob for _, lp in _top(pos, num)}
+        top = {_tok(lp, t if as_ids else None): lp.logprob for t, lp in _top(pos, num)}
         top.setdefault(token, chosen.logprob)  # vLLM lists the sampled token too
         out.top_logprobs.append(top)
     return out
 
 
-def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num: int) -> ChatLogprobs:
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num: int,
+                  as_ids: bool = False) -> ChatLogprobs:
     content = []
     for tid, pos in zip(token_ids, positions):
         chosen = _chosen(pos, tid)
-        token = _tok(chosen)
-        top = [TopLogprob(token=_tok(lp), logprob=lp.logprob, bytes=list(_tok(lp).encode()))
-               for _, lp in _top(pos, num)]
+        token = _tok(chosen, tid if as_ids else None)
+        top = [TopLogprob(token=_tok(lp, t if as_ids else None), logprob=lp.logprob,
+                          bytes=list(_tok(lp, t if as_ids else None).encode())) for t, lp in _top(pos, num)]
         content.append(ChatLogprobToken(token=token, logprob=chosen.logprob, bytes=list(token.encode()),
                                         top_logprobs=top))
     return ChatLogprobs(content=content)

@@ -37,6 +37,7 @@ class ServerState:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
 
     @property
     def model_name(self) -> str:
@@ -103,6 +104,7 @@ async def start_requests(state: ServerState, raw: Request | None, prompts: list[
                 raise ClientDisconnected()
         await adding
         ok = True
+        state.metrics.on_request(params.n, params.max_tokens)  # accepted requests, once whatever their prompts
     except EngineDeadError as e:
         raise APIError(str(e), 503) from None
     except ValueError as e:  # the engine's validation of the prompt and the parameters

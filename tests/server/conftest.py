@@ -11,7 +11,9 @@ from server_helpers import start_server, stop_server
 
 @pytest.fixture(scope="session")
 def server():
-    srv = start_server([])
+    # Prompt-token details on: tests read prefix-cache hits from usage (the default-off shape is tested
+    # in-process, test_vllm_extensions.py).
+    srv = start_server(["--enable-prompt-tokens-details"])
     try:
         yield srv
     finally:
