@@ -83,6 +83,7 @@ def test_hybrid_graph_body_through_triton_kernels(tmp_path_factory, smol_tokeniz
     eng = llm.engine
     eng.runner.graphs = graphs = TritonBodyCheck(eng.model, 4, eng.max_model_len, 4, eng.device,
                                                  eng.state_pool.padding_slot, max_num_batched_tokens=32,
+                                                 mixed=True,  # opt-in for hybrid models (cuda_graph.py)
                                                  state_pool=eng.state_pool, monkeypatch=monkeypatch)
     rng = random.Random(5)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 4000) for _ in range(n)]} for n in (3, 40, 1, 17)]
