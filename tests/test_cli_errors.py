@@ -211,24 +211,22 @@ def test_ctrl_c_during_a_reply_ends_only_the_reply():
     from lamina.chat_cli import stream_reply
     from lamina.outputs import CompletionOutput, RequestOutput
 
-    class Engine:
-        stream_outputs = False
-
+    class Engine:  # LLM.stream's contract: outputs after each step; an early end aborts the request
         def __init__(self) -> None:
             self.steps, self.aborted = 0, []
 
-        def add_request(self, rid, prompt, params) -> None:
-            self.rid = rid
-
-        def step(self):
-            self.steps += 1
-            if self.steps == 3:
-                raise KeyboardInterrupt
-            text = "ab" * self.steps
-            return [RequestOutput(self.rid, None, [1], [CompletionOutput(0, text, [1] * self.steps)], False)]
-
-        def abort_request(self, rid) -> None:
-            self.aborted.append(rid)
+        def stream(self, prompt, params, rid):
+            finished = False
+            try:
+                while not finished:
+                    self.steps += 1
+                    if self.steps == 3:
+                        raise KeyboardInterrupt
+                    text = "ab" * self.steps
+                    yield RequestOutput(rid, None, [1], [CompletionOutput(0, text, [1] * self.steps)], False)
+            finally:
+                if not finished:
+                    self.aborted.append(rid)
 
     eng, buf = Engine(), io.StringIO()
     text = stream_reply(eng, "c0", [1, 2], SamplingParams(), out=buf)

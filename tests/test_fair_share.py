@@ -39,3 +39,14 @@ def test_one_sequence_requests_and_finishing_sequences_are_never_victims():
     shares = compute_shares(running, [_seq("c", 0)], 30)
     assert eviction_victims(running, shares, "c", 1) == [running[2]]
     assert eviction_victims(running, shares, "c", 2) == []  # not a's only sequence, nor b's last-token one
+
+
+def test_slot_victim_takes_from_the_request_running_the_most_down_to_its_share():
+    from lamina.engine.fair_share import slot_victim
+
+    running = [_seq("big", 2) for _ in range(3)] + [_seq("mid", 2)]
+    assert slot_victim(running, "new", 3, 4) is running[2]  # share 4/3: big keeps 2 >= 1.33
+    assert slot_victim(running, "mid", 2, 4) is running[2]  # share 2: mid may have a second slot
+    even = [_seq("big", 2), _seq("big", 2), _seq("mid", 2), _seq("mid", 2)]
+    assert slot_victim(even, "mid", 2, 4) is None  # a third would put mid over its share
+    assert slot_victim(running[2:], "new", 3, 2) is None  # big's only slot: nothing to take

@@ -170,3 +170,25 @@ def test_small_request_gets_blocks_from_a_stream_holding_the_pool(checkpoints):
         outs.update({o.request_id: o for o in eng.step() if o.finished})
     assert all(c.token_ids == ref.outputs[0].token_ids for c in outs["huge"].outputs)
     assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.scheduler.running
+
+
+def test_small_request_gets_a_sequence_slot_from_a_long_stream_holding_all(checkpoints):
+    """Every sequence slot held by one long n=8 stream: a 2-token request takes one of them (the stream's
+    newest sequence is preempted and recomputed later, same output) instead of waiting for the stream."""
+    llm = make(checkpoints["llama"], num_kv_blocks=256, max_num_seqs=4)
+    eng = llm.engine
+    ref = llm.generate({"prompt_token_ids": [11, 12, 13]}, SamplingParams(temperature=0, max_tokens=40,
+                                                                           ignore_eos=True), use_tqdm=False)[0]
+    eng.add_request("long", {"prompt_token_ids": [11, 12, 13]},
+                    SamplingParams(n=8, temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.add_request("small", {"prompt_token_ids": [21, 22]}, SamplingParams(max_tokens=2, ignore_eos=True))
+    outs: dict[str, object] = {}
+    for _ in range(6):
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert "small" in outs and "long" not in outs
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert all(c.token_ids == ref.outputs[0].token_ids for c in outs["long"].outputs)
+    assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.scheduler.running

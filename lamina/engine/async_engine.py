@@ -83,7 +83,7 @@ class ThreadCore:
     def describe_exit(self) -> str:
         return "the engine thread ended"
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, stopped: bool = False) -> None:
         if self.thread is None:
             return
         self.thread.join(timeout)

@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -43,6 +44,7 @@ from lamina.engine.ipc import (
     SampleStop,
     Shutdown,
     StepOutputs,
+    Stopped,
     StopSamples,
     Verdicts,
 )
@@ -71,7 +73,7 @@ class CoreBackend(Protocol):
     @property
     def sentinel(self) -> int | None: ...
     def describe_exit(self) -> str: ...
-    def stop(self, timeout: float) -> None: ...
+    def stop(self, timeout: float, stopped: bool = False) -> None: ...
     def kill(self) -> None: ...
 
 
@@ -90,6 +92,7 @@ class CoreClient:
         self._assembler = OutputAssembler()
         self._processor = OutputProcessor(tokenizer)
         self._ready = threading.Event()
+        self._stopped = threading.Event()  # the core answered Shutdown with Stopped
         self._dead: str | None = None  # why the core is gone
         self._closing = False
         self._started = False
@@ -140,14 +143,20 @@ class CoreClient:
             dead = EngineDeadError("the engine is shutting down")
             self._fail_local(dead, dead)
             loading = not self._ready.is_set()
+            sent = False
             if self._dead is None and not loading:
                 try:
                     self._send_locked(Shutdown())
+                    sent = True
                 except EngineDeadError:  # not reading: stop() below kills it after the timeout
                     pass
         if loading:  # still loading the model: it reads no messages yet, and nothing it holds is in use
             self.backend.kill()
-        self.backend.stop(timeout)
+        elif sent:  # wait for its Stopped (leases returned, last outputs sent): then only its exit is left
+            deadline = time.monotonic() + timeout
+            while not self._stopped.wait(0.05) and self.backend.alive() and time.monotonic() < deadline:
+                pass
+        self.backend.stop(timeout, self._stopped.is_set())
         if self._receiver is not None:
             self._receiver.join(timeout)
         self._in.close(0)
@@ -291,6 +300,8 @@ class CoreClient:
             self.info = msg.info
             self.last_stats = EngineStats(0, 0, msg.info.num_total_blocks, msg.info.num_total_blocks)
             self._ready.set()
+        elif isinstance(msg, Stopped):
+            self._stopped.set()
         elif isinstance(msg, CoreFailed):
             self._die(msg.message)
 

@@ -38,6 +38,7 @@ from lamina.engine.ipc import (
     Ready,
     Shutdown,
     StepOutputs,
+    Stopped,
     StopSamples,
     Verdict,
     Verdicts,
@@ -47,6 +48,7 @@ log = logging.getLogger("lamina")
 
 _IDLE_POLL_MS = 1000  # while idle the loop wakes this often, only to notice a parent that is gone
 _SEND_TIMEOUT_MS = 1000
+EXIT_GRACE = 3.0  # seconds a core that has answered Stopped gets to exit before it is killed
 
 
 class CoreLoop:
@@ -88,6 +90,7 @@ class CoreLoop:
             elif isinstance(msg, Shutdown):
                 outs += self.core.fail_all("the engine is shutting down")
                 self._send(StepOutputs(self.step_index, [self.deltas.encode(o) for o in outs], it, self.core.stats()))
+                self._send(Stopped())
                 return False
         if verdicts:  # before the step: a request with many prompts must not wait one step per prompt
             self._send(Verdicts(verdicts))
@@ -175,6 +178,8 @@ def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level
     try:
         with torch.inference_mode():
             CoreLoop(EngineCore(engine), inbox, outbox, parent_alive).run()
+        t_end = time.monotonic()
+        log.debug("engine core: loop ended; closing its channels")
     except BaseException as e:  # a bug in the loop: tell the server at once rather than leave it waiting
         log.exception("the engine core loop died")
         outbox.send(codec.encode(CoreFailed(f"the engine core loop died: {type(e).__name__}: {e}")))
@@ -184,7 +189,9 @@ def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level
         outbox.close()
         ctx.term()  # after the last outputs went out (linger)
     # Every lease is back and the server has everything: skip the interpreter's teardown of torch and the
-    # model (seconds on a loaded CPU), which would only delay the server's exit.
+    # model (seconds on a loaded CPU), which would only delay the server's exit. What is left is the
+    # driver's teardown of the device context at process exit (CoreProcess.stop bounds the wait for it).
+    log.debug("engine core: channels closed in %.2f s; exiting", time.monotonic() - t_end)
     logging.shutdown()
     os._exit(0)
 
@@ -218,9 +225,20 @@ class CoreProcess:
             return f"the engine core process died (signal {-code})"
         return f"the engine core process exited (status {code})"
 
-    def stop(self, timeout: float) -> None:
-        """Waits for the process to end after a Shutdown message; kills it past the timeout."""
+    def stop(self, timeout: float, stopped: bool = False) -> None:
+        """Waits for the process to end after a Shutdown message; kills it past the timeout. With `stopped`
+        (the core answered Stopped: leases returned, last outputs sent) only the exit itself is left, which
+        on a GPU includes the driver tearing down the device context: that gets EXIT_GRACE seconds, then
+        the process is killed (nothing of it is in use any more)."""
         if self.proc is None:
+            return
+        if stopped:
+            self.proc.join(EXIT_GRACE)
+            if self.proc.is_alive():
+                log.info("the engine core stopped but its process had not exited after %.0f s; killing it",
+                         EXIT_GRACE)
+                self.proc.kill()
+                self.proc.join(5)
             return
         self.proc.join(timeout)
         if self.proc.is_alive():

@@ -71,3 +71,25 @@ def eviction_victims(running: list[Sequence], shares: Shares, request_id: str, n
         held[hog] -= len(seq.block_table)
         freed += len(seq.block_table)
     return victims
+
+
+def slot_victim(running: list[Sequence], request_id: str, num_active: int, max_seqs: int) -> Sequence | None:
+    """With every sequence slot taken: a sequence to preempt so that `request_id`, running fewer than its
+    share of the max_seqs slots, gets one. The newest of the request running the most, only if that one
+    keeps at least its share without it; None otherwise."""
+    share = max_seqs / max(1, num_active)
+    counts: dict[str, int] = {}
+    for seq in running:
+        counts[seq.request_id] = counts.get(seq.request_id, 0) + 1
+    if counts.get(request_id, 0) + 1 > share:
+        return None
+    others = [(c, r) for r, c in counts.items() if r != request_id]
+    if not others:
+        return None
+    most, hog = max(others)
+    if most - 1 < share:
+        return None
+    for seq in reversed(running):
+        if seq.request_id == hog and seq.num_output_tokens < seq.max_tokens:
+            return seq
+    return None

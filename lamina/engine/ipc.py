@@ -137,12 +137,17 @@ class StepOutputs(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class Stopped(msgspec.Struct, tag=True):
+    """After a Shutdown: every lease is back and the last outputs went out before this; only the process's
+    exit remains (which the client need not wait long for: see CoreProcess.stop)."""
+
+
 class CoreFailed(msgspec.Struct, tag=True):
     message: str
 
 
 ToCore = Add | Abort | StopSamples | Shutdown
-FromCore = Ready | Verdicts | StepOutputs | CoreFailed
+FromCore = Ready | Verdicts | StepOutputs | Stopped | CoreFailed
 
 
 class Codec:

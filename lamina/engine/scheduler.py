@@ -16,7 +16,14 @@ from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.sliding_window import drop_out_of_window
 from lamina.cache.slot_allocator import SlotAllocator
-from lamina.engine.fair_share import Shares, compute_shares, eviction_victims, fair_running_order, held_blocks
+from lamina.engine.fair_share import (
+    Shares,
+    compute_shares,
+    eviction_victims,
+    fair_running_order,
+    held_blocks,
+    slot_victim,
+)
 from lamina.engine.request import SeqStatus, Sequence
 
 # How far past waiting requests that wait for a prefix being computed admission looks in one step (keeps a
@@ -234,14 +241,40 @@ class Scheduler:
         from the requests furthest over theirs (_admit_by_evicting); one of a request at or over its share is
         passed over instead of stopping admission; with `fresh_only` (this step preempted) only sequences of
         requests under their share that were never preempted are considered."""
-        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+        if not self.waiting or budget <= 0:
             return
+        full = len(self.running) >= self.max_num_seqs
         window = [self.waiting.popleft() for _ in range(min(len(self.waiting), WAIT_LOOKAHEAD))]
         admitted: set[int] = set()
         try:
+            if full:
+                budget += self._free_a_slot(window, scheduled)
             self._admit_in_order(self._fair_order(window), budget, scheduled, admitted, shares, fresh_only)
         finally:  # the rest keep their places at the head of the line, in arrival order
             self.waiting.extendleft(reversed([s for s in window if id(s) not in admitted]))
+
+    def _free_a_slot(self, window: list[Sequence], scheduled: list[ScheduledSeq]) -> int:
+        """Every sequence slot is taken: if a request in `window` has none and the request running the most
+        keeps at least its share of slots without one, preempts that one's newest sequence (at most one per
+        step, so such a request gets a slot in the first step it waits). Returns the tokens of this step's
+        budget the preempted sequence gave back."""
+        running_ids = {s.request_id for s in self.running}
+        newcomer = next((s for s in window if s.request_id not in running_ids), None)
+        if newcomer is None:
+            return 0
+        active = running_ids | {s.request_id for s in window}
+        victim = slot_victim(self.running, newcomer.request_id, len(active), self.max_num_seqs)
+        if victim is None:
+            return 0
+        refund = 0
+        for k, item in enumerate(scheduled):
+            if item.seq is victim:  # scheduled earlier this step: it gives its tokens back
+                refund = item.num_tokens
+                del scheduled[k]
+                break
+        self.running.remove(victim)
+        self._preempt(victim)
+        return refund
 
     def _fair_order(self, window: list[Sequence]) -> list[Sequence]:
         """The window sorted by (not preempted, the request's running + earlier-waiting sequences, arrival)."""

@@ -27,11 +27,17 @@ def test_models(client):
 def test_completion_matches_offline_engine(client, llm_engine):
     """The server must produce exactly what the engine produces offline for the same greedy request."""
     from lamina import SamplingParams
+    from lamina.engine.output_processor import OutputProcessor
 
-    llm_engine.add_request("offline", PROMPT, SamplingParams(temperature=0, max_tokens=12))
+    params = SamplingParams(temperature=0, max_tokens=12)
+    llm_engine.add_request("offline", PROMPT, params)
+    text_side = OutputProcessor(llm_engine.tokenizer)  # the engine emits token ids; this makes the text
+    text_side.add("offline", params)
     want = None
     while llm_engine.has_unfinished_requests():
-        want = next((o.outputs[0] for o in llm_engine.step() if o.finished), want)
+        for o in llm_engine.step():
+            o, _ = text_side.process(o)
+            want = o.outputs[0] if o is not None and o.finished else want
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     assert got.choices[0].text == want.text
     assert got.usage.completion_tokens == len(want.token_ids)
