@@ -65,14 +65,21 @@ def default_tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 8, 8, 3
 
 
+MIN_BLOCK_K = 32
+
+
 def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                    tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """a fp8 [M, K], a_scale fp32 [M, ceil(K/bk)], b fp8 [N, K], b_scale fp32 [ceil(N/bn), ceil(K/bk)],
-    both with unit stride along K -> C [M, N] in out_dtype. bk must be a power of two >= 16."""
+    both with unit stride along K -> C [M, N] in out_dtype. bk must be a power of two >= 32: FP8 tensor-core
+    dots take K tiles of at least 32 (Triton 3.6 refused 16 on the H200; fp8_linear routes smaller blocks to
+    the dequantized matmul)."""
     m, k = a.shape
     n = b.shape[0]
     bn, bk = block
+    if bk < MIN_BLOCK_K:
+        raise ValueError(f"fp8_block_gemm: scale blocks {block} are narrower than {MIN_BLOCK_K} along K")
     if a.stride(1) != 1 or b.stride(1) != 1 or b.shape[1] != k:
         raise ValueError(f"fp8_block_gemm: A {tuple(a.shape)} and B {tuple(b.shape)} need unit stride along K")
     block_m, block_n, group_m, warps, stages = tiles or default_tiles(m, n)

@@ -47,6 +47,17 @@ def test_fp8_gemv_matches_dequantized_matmul(m, shape):
             assert rel_err(y, ref) < TOL[dtype], (dtype, bn)
 
 
+def test_fp8_block_gemm_refuses_narrow_k_blocks():
+    """FP8 tensor-core dots need K tiles >= 32 (the H200 refused 16): 16-wide blocks are a clear error here,
+    and fp8_linear sends them to the dequantized matmul."""
+    from lamina.kernels.triton_fp8_gemm import fp8_block_gemm
+
+    q, s, g = _weight(64, 64, (16, 16), seed=1)
+    xq, xs = quantize_tokens(torch.randn(4, 64, generator=g).to(DEV), group=16)
+    with pytest.raises(ValueError, match="narrower than 32"):
+        fp8_block_gemm(xq, xs, q, s, (16, 16), torch.bfloat16)
+
+
 def test_fp8_gemv_refuses_too_many_rows():
     from lamina.kernels.triton_fp8_gemv import fp8_gemv
 
@@ -55,8 +66,8 @@ def test_fp8_gemv_refuses_too_many_rows():
         fp8_gemv(torch.randn(17, 32, device=DEV), q, s, None)
 
 
-@pytest.mark.parametrize("shape", [(40, 48, 256, (16, 128)), (33, 72, 160, (32, 32)), (20, 64, 64, (16, 16))],
-                         ids=["block16x128", "ragged-32", "square16"])
+@pytest.mark.parametrize("shape", [(40, 48, 256, (16, 128)), (33, 72, 160, (32, 32)), (20, 64, 64, (32, 32))],
+                         ids=["block16x128", "ragged-32", "square32"])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 def test_fp8_block_gemm_matches_dequantized_matmul(shape, out_dtype):
     from lamina.kernels.triton_fp8_gemm import fp8_block_gemm

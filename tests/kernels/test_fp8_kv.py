@@ -102,7 +102,10 @@ def test_paged_attention_reads_fp8_caches(case):
     # dequantized copy.
     clean = [c.float().nan_to_num(0).to(FP8) for c in (kc_cpu, vc_cpu)]
     ref = paged_attention_ref(q.float().cpu(), *clean, _cpu(meta), d ** -0.5, window)
-    assert torch.equal(ref, oracle.cpu())
+    if DEV.type == "cpu":
+        assert torch.equal(ref, oracle)
+    else:  # the oracle ran on the GPU: same math, other rounding of the fp32 sums
+        torch.testing.assert_close(ref, oracle.cpu(), rtol=1e-5, atol=1e-5)
 
 
 def _cpu(meta):
