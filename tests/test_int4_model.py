@@ -60,7 +60,7 @@ def gptq_pair(checkpoints, tmp_path_factory):
     return qdir, ddir
 
 
-def _load_gptq(source, cfg, reader, dtype, device, max_positions, progress=True, **_):
+def _load_gptq(source, cfg, reader, dtype, device, max_positions, progress=True, quantization=None, **_):
     """load_model for this checkpoint with the GPTQ formats chosen from its quantization_config."""
     from lamina.models.hf_loader import iter_safetensors
     from lamina.models.loader import _finalize, build_model

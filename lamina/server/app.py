@@ -178,7 +178,7 @@ def build_app(state: ServerState, options: ServerOptions | None = None) -> FastA
                 raise bad_request("messages must not be empty", "messages")
             check_continue(req.add_generation_prompt, req.continue_final_message, req.messages)
             ids = chat_prompt(state, [{"role": m.role, "content": m.text()} for m in req.messages],
-                              req.add_generation_prompt, req.continue_final_message)
+                              req.add_generation_prompt, continue_final_message=req.continue_final_message)
         else:
             ids = state.encode(req.prompt, req.add_special_tokens)
         strs = state.need_tokenizer("return_token_strs").convert_ids_to_tokens(ids) if req.return_token_strs else None
