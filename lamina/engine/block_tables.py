@@ -51,7 +51,10 @@ class BlockTables:
         if not self._free:  # reclaim the rows of sequences that stopped running
             for r, owner in enumerate(self._owner):
                 if owner is not None and owner.seq.status != SeqStatus.RUNNING:
-                    del self._rows[owner.seq.seq_id]
+                    # The id may point at a newer row already (a sequence that came back, or a drafter's
+                    # copy with the target's id): drop the mapping only if it is this row's.
+                    if self._rows.get(owner.seq.seq_id) == r:
+                        del self._rows[owner.seq.seq_id]
                     self._owner[r] = None
                     self._free.append(r)
             self._free.reverse()

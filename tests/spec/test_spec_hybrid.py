@@ -17,7 +17,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory, smol_tokenizer, one_thread):
-    path = make_hybrid_checkpoint(tmp_path_factory.getbasetemp() / "hybrid_ckpt" / "qwen3_next", "qwen3_next",
+    path = make_hybrid_checkpoint(tmp_path_factory.mktemp("spec_hybrid") / "qwen3_next", "qwen3_next",
                                   smol_tokenizer, seed=10)
     ps = spec_prompts(4, seed=21)
     return path, ps, outputs(make(path), ps, GREEDY64)
