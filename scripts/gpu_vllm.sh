@@ -64,7 +64,24 @@ serve)
     python3 -m lamina.cli bench serve --base-url http://127.0.0.1:8011 --num-prompts 512 \
       --input-len 512 --output-len 256 --max-concurrency 64,256 --vocab-size 151936 --num-warmups 8 \
       --num-clients 4 --disable-tqdm --result-file "$OUT/serve_$side.json" 2>&1 | tail -8
+    if [ $side = lamina ]; then  # issue 16: TPOT with a JSON schema against unconstrained, batch 1 and 64
+      for c in 1 64; do
+        n=$(( c == 1 ? 12 : 256 ))
+        for schema in none scripts/schemas/bench_items.json; do
+          extra=(); [ $schema != none ] && extra=(--json-schema $schema)
+          tag=$([ $schema = none ] && echo plain || echo schema)
+          python3 -m lamina.cli bench serve --base-url http://127.0.0.1:8011 --num-prompts $n --input-len 512 \
+            --output-len 256 --max-concurrency $c --vocab-size 151936 --num-warmups 2 --disable-tqdm \
+            "${extra[@]}" --result-file "$OUT/structured_${tag}_c$c.json" 2>&1 | grep -i "tpot\|output tok" | head -3
+        done
+      done
+    fi
     kill -TERM $pid; wait $pid
-  done ;;
+    echo "serve $side exit $?"
+  done
+  # The load client's own ceiling (4 client processes against a trivial streaming server, same workload).
+  python3 -m lamina.cli bench serve --fake-server --fake-server-workers 4 --num-prompts 512 --input-len 512 \
+    --output-len 256 --max-concurrency 256 --vocab-size 151936 --num-clients 4 --disable-tqdm \
+    --result-file "$OUT/serve_client_ceiling.json" 2>&1 | tail -4 ;;
 *) echo "usage: scripts/gpu_vllm.sh stage N | install | offline | hybrid | serve | prefix | latency"; exit 2 ;;
 esac
