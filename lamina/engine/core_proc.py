@@ -13,6 +13,7 @@ one core the same way: the core process owns the scheduler and drives its ranks;
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -174,6 +175,8 @@ def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level
         outbox.close()
         ctx.term()
         sys.exit(1)
+    gc.collect()
+    gc.freeze()  # the engine's start-up objects stay for good: keep them out of every later collection
     outbox.send(codec.encode(Ready(core_info(engine, time.monotonic() - t0))))
     try:
         with torch.inference_mode():

@@ -16,13 +16,28 @@ def initial_state(num_prompt_tokens: int) -> DetokState:
     return DetokState(prefix_offset=max(num_prompt_tokens - _CONTEXT, 0), read_offset=num_prompt_tokens)
 
 
+def _backend_decode(tokenizer):
+    """The Rust tokenizer's own decode, where HF's wrapper adds nothing to it (a fast tokenizer that does not
+    clean up spaces): the wrapper's argument conversion cost ~3x the decode itself, twice per streamed token
+    (scripts/server_token_cost.py). None: use tokenizer.decode."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend.decode
+
+
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._fast = _backend_decode(tokenizer) if tokenizer is not None else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:  # random-weight benchmark models have no tokenizer: token ids only
             return ""
+        if self._fast is not None:
+            return self._fast(ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def step(self, state: DetokState, token_ids: list[int], skip_special_tokens: bool, end: int | None = None) -> str:

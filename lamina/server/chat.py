@@ -41,6 +41,7 @@ from lamina.server.serving import (
     sse,
     start_requests,
 )
+from lamina.server.stream_chunks import ChunkWriter
 
 PROMPT_TAIL_TOKENS = 16  # enough of the prompt's end to see whether the template opened a think block
 
@@ -163,6 +164,8 @@ async def _stream(req: ChatCompletionRequest, plan: ChatPlan, state: ServerState
     streamers = {i: plan.parsing.streamer() if plan.parsing.active else None for i in range(req.n)}
     final = None
     echo = _echo(req)
+    plain = (not plan.parsing.active and not req.logprobs and not req.return_token_ids and not req.continuous_usage)
+    writer = ChunkWriter("chat.completion.chunk", request_id, created, state.model_name) if plain else None
     try:
         # OpenAI opens every choice with the role before any content; one choice per chunk, as OpenAI and
         # vLLM send them.
@@ -172,6 +175,14 @@ async def _stream(req: ChatCompletionRequest, plan: ChatPlan, state: ServerState
                         prompt_ids if req.return_token_ids and i == 0 else None)
         async for _, out in merge(streams):
             final = out
+            if writer is not None:  # plain content deltas: the pydantic-free chunk writer (stream_chunks.py)
+                for comp in out.outputs:
+                    s = sent[comp.index]
+                    text, finish = comp.text[s.text:], comp.finish_reason
+                    if not s.done and (text or finish is not None):
+                        s.text, s.tokens, s.done = len(comp.text), len(comp.token_ids), finish is not None
+                        yield writer.chat_content(comp.index, text or None, finish, comp.stop_reason)
+                continue
             choices = [c for c in (_delta(req, plan, comp, sent[comp.index], streamers[comp.index])
                                    for comp in out.outputs if not sent[comp.index].done) if c is not None]
             for c in choices:

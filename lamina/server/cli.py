@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 
@@ -36,6 +37,8 @@ def add_serve_parser(sub) -> None:
                    help="larger request bodies get a 413")
     p.add_argument("--header-timeout", type=positive_float, default=10.0,
                    help="seconds a connection may take to send a request's line and headers before it is closed")
+    p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
+                   help="the HTTP parser (auto: httptools when installed, else h11)")
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request may take to send its body, once its headers are in (then a 408)")
     p.add_argument("--enable-docs", action="store_true",
@@ -79,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lamina.preflight import bind_socket
     from lamina.server.app import ServerOptions, build_app, make_state
     from lamina.server.graceful import GracefulServer
-    from lamina.server.limits import TimeoutH11Protocol
+    from lamina.server.limits import head_timeout_protocol
 
     t0 = time.monotonic()
     if args.shutdown_timeout < 0:
@@ -119,8 +122,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  names[0], args.host, sock.getsockname()[1], info.max_model_len, info.num_total_blocks)
 
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30,
-                            http=TimeoutH11Protocol.with_timeout(args.header_timeout))
+                            http=head_timeout_protocol(args.http, args.header_timeout))
     server = GracefulServer(config, state.engine, args.shutdown_timeout, on_ready=ready)
+    # Start-up objects (tokenizer, app, schemas) never die: out of the collector's sight, so its full
+    # collections, which scan every tracked object, stop pausing the streams.
+    gc.collect()
+    gc.freeze()
     try:
         server.run(sockets=[sock])
     finally:

@@ -35,6 +35,7 @@ from lamina.server.serving import (
     sse,
     start_requests,
 )
+from lamina.server.stream_chunks import ChunkWriter
 
 
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
@@ -133,6 +134,10 @@ async def _stream(req: CompletionRequest, state: ServerState, streams, request_i
     created = int(time.time())
     sent: dict[int, Sent] = {}
     finals: dict[int, RequestOutput] = {}
+    # Plain requests take the pydantic-free chunk writer (stream_chunks.py); the rest build the models.
+    plain = (req.logprobs is None and req.prompt_logprobs is None and not req.return_token_ids
+             and not req.continuous_usage and not req.echo)
+    writer = ChunkWriter("text_completion", request_id, created, state.model_name) if plain else None
     try:
         async for i, out in merge(streams):
             finals[i] = out
@@ -142,6 +147,12 @@ async def _stream(req: CompletionRequest, state: ServerState, streams, request_i
                 first = index not in sent
                 s = sent.setdefault(index, Sent())
                 if s.done:
+                    continue
+                if writer is not None:
+                    text, finish = comp.text[s.text:], comp.finish_reason
+                    if text or finish is not None:
+                        s.text, s.tokens, s.done = len(comp.text), len(comp.token_ids), finish is not None
+                        yield writer.completion(index, text, finish, comp.stop_reason)
                     continue
                 echo_lp = _echo_lp(req, state, out) if first and req.echo and req.logprobs is not None else None
                 choice = _delta(req, index, out, comp, s, echoes[i] if first else "", len(echoes[i]), echo_lp)

@@ -53,6 +53,18 @@ def test_token_ids_work_and_take_the_generation_config_default(edge):
 
 
 def test_half_a_request_line_is_closed(edge):
+    _check_half_requests_closed(edge)
+
+
+def test_half_a_request_line_is_closed_by_h11_too():
+    srv = start_server(["--header-timeout", "1", "--http", "h11"], model="random:tiny-llama")
+    try:
+        _check_half_requests_closed(srv)
+    finally:
+        stop_server(srv)
+
+
+def _check_half_requests_closed(edge):
     socks = [socket.create_connection(_address(edge), timeout=10) for _ in range(20)]
     start = time.monotonic()
     for i, s in enumerate(socks):
