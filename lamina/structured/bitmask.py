@@ -42,7 +42,23 @@ class BitmaskBuffers:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Sets logits[r, t] = -inf where bit t of bitmask row r is clear, in place (logits [R, V] float, bitmask
-    [R, ceil(V / 32)] int32 on the same device). Plain tensor ops: no host sync, any device."""
+    [R, ceil(V / 32)] int32 on the same device). No host sync. On the CPU xgrammar's own kernel (2.6x the
+    tensor ops below at 64 x 151,936, which unpack every word into 32 int32s); elsewhere the tensor ops
+    (tens of microseconds on a GPU, nothing to compile)."""
+    rows, vocab = logits.shape
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        try:
+            import xgrammar as xg
+        except ImportError:
+            xg = None
+        if xg is not None:
+            xg.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+            return
+    apply_bitmask_tensor_ops(logits, bitmask)
+
+
+def apply_bitmask_tensor_ops(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """apply_bitmask with plain tensor ops (any device)."""
     rows, vocab = logits.shape
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).view(rows, -1)[:, :vocab].bool()
