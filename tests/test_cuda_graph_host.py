@@ -31,9 +31,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 
 @pytest.fixture(autouse=True)
 def _hybrid_mixed_graphs(monkeypatch):
-    """Hybrid mixed graphs are opt-in (engine/cuda_graph.py mixed_graphs_enabled says why); these tests check
-    the opt-in path's host side."""
-    monkeypatch.setenv("LAMINA_HYBRID_MIXED_GRAPHS", "1")
+    """Hybrid mixed graphs are on by default: these tests check the default, whatever the caller's environment."""
+    monkeypatch.delenv("LAMINA_HYBRID_MIXED_GRAPHS", raising=False)
+    monkeypatch.delenv("LAMINA_MIXED_GRAPHS", raising=False)
+
 
 def test_token_ladder():
     sizes = mixed_token_sizes(8192)
@@ -81,9 +82,10 @@ class _Stub(torch.nn.Module):
 
 def test_hybrid_models_get_mixed_graphs_too(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.delenv("LAMINA_HYBRID_MIXED_GRAPHS")
+    monkeypatch.setenv("LAMINA_HYBRID_MIXED_GRAPHS", "0")  # the switch that turns them off for hybrid models only
     assert CudaGraphRunner(_Stub(), 8, 64, 4, cpu, padding_slot=8, max_num_batched_tokens=64).mixed_sizes == []
-    monkeypatch.setenv("LAMINA_HYBRID_MIXED_GRAPHS", "1")  # opt-in for hybrid models (cuda_graph.py says why)
+    assert CudaGraphRunner(_Stub(), 8, 64, 4, cpu, max_num_batched_tokens=64).mixed_sizes == [16, 32, 48, 64]
+    monkeypatch.delenv("LAMINA_HYBRID_MIXED_GRAPHS")  # the default: on
     hybrid = CudaGraphRunner(_Stub(), 8, 64, 4, cpu, padding_slot=8, max_num_batched_tokens=64)
     assert hybrid.mixed_sizes == [16, 32, 48, 64]
     assert [(k.tokens, k.seqs, k.decode) for k in hybrid.keys if not k.decode] == \

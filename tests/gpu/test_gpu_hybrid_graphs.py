@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(autouse=True)
 def _hybrid_mixed_graphs(monkeypatch):
-    """Hybrid mixed graphs are opt-in (engine/cuda_graph.py mixed_graphs_enabled says why): these tests check
-    the opt-in path."""
-    monkeypatch.setenv("LAMINA_HYBRID_MIXED_GRAPHS", "1")
+    """Hybrid mixed graphs are on by default: these tests check the default, whatever the caller's environment."""
+    monkeypatch.delenv("LAMINA_HYBRID_MIXED_GRAPHS", raising=False)
+    monkeypatch.delenv("LAMINA_MIXED_GRAPHS", raising=False)
 
 PROMPT = [1000 + (37 * i) % 3000 for i in range(400)]
 
