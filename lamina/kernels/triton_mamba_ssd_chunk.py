@@ -21,13 +21,19 @@ to the input dtype: the state snapshots, x * w, and M (where mamba_ssm rounds to
 The chunk table (chunk -> start, end; sequence -> first chunk) is built on the device from query_start by the
 gated delta net's table kernel at this chunk size (triton_gdn_chunk_table.py), its size and every grid from the
 shapes T and B only, so mixed prefill+decode steps can be captured in CUDA graphs (no host list, no sync).
-Scratch: the snapshots [T // BT + B, H, P, N] in the input dtype (a 16k-token Nemotron-H 8B prompt at BT=128:
-136 chunks x 128 heads x 64 x 128 x 2 B = 285 MB per layer call, reused by the allocator across layers).
-Rough floor for that prompt, bf16 (not measured): x / B / C / y ~0.8 GB and snapshots 0.57 GB through HBM,
-~0.3 ms at 4.8 TB/s; ~200 GFLOP of dots (CB is recomputed per head; a per-group CB would halve that).
+Scratch: the snapshots [T // BT + B, H, P, N] in the input dtype (a 16k-token Nemotron-H 8B prompt at BT=64:
+257 chunks x 128 heads x 64 x 128 x 2 B = 540 MB per layer call, reused by the allocator across layers).
+Rough floor for that prompt, bf16 (not measured): x / B / C / y ~0.6 GB and snapshots 1.1 GB through HBM,
+~0.35 ms at 4.8 TB/s; ~86 GFLOP of dots (~140 at BT=128; CB is recomputed per head, a per-group CB would cut
+it), and the state pass runs 256 dependent steps per program.
 
-Tiles (`ssd_chunk_tiles`, not yet checked with ptxas): BT = 128 (16-bit), BP = 64, N in pieces of 64 in the
-output kernel; the state kernel takes BP = 32 when a batch has too few (sequence, head) programs to fill the GPU.
+Tiles (`ssd_chunk_tiles`; ptxas -v for sm_90a, Triton 3.6, compiled on the CPU box with the runtime's
+16-divisibility attrs by `scripts/mamba_ssd_bench.py --ptxas`), bf16, Nemotron-H 8B heads (P = 64, N = 128):
+  state  BT=64, BP=64, 8 warps, 2 stages    128 regs, 0 spills, 48 KB smem, wgmma   (>= 264 programs)
+  state  BT=64, BP=32, 4 warps, 2 stages    128 regs, 0 spills, 20 KB smem, mma     (fewer: one long prompt)
+  output BT=64, BP=64, N pieces of 64, 4 w  168 regs, 0 spills, 24 KB smem, wgmma
+BT=128 (fewer, larger snapshots, twice the CB flops per token) compiles too: state BP=64 8 warps 126 regs; output
+BP=64 8 warps 254 regs (1 CTA per SM), BP=32 4 warps spills 36 B: the GPU sweep decides (`tune`).
 fp32 inputs take smaller tiles (exact FMA dots keep operands in registers): a correctness path, not a fast one.
 """
 from __future__ import annotations
@@ -60,8 +66,8 @@ def ssd_chunk_tiles(dtype: torch.dtype, p: int, n: int, programs_bp64: int) -> C
     if dtype == torch.float32:
         return ChunkTiles(bt=64, state_bp=16, state_warps=4, state_stages=1, out_bp=16, out_bn=32, out_warps=4)
     bp = 64 if programs_bp64 >= 264 else 32
-    return ChunkTiles(bt=128, state_bp=bp, state_warps=4 if bp == 32 else 8, state_stages=2, out_bp=64, out_bn=64,
-                      out_warps=8)
+    return ChunkTiles(bt=64, state_bp=bp, state_warps=4 if bp == 32 else 8, state_stages=2, out_bp=64, out_bn=64,
+                      out_warps=4)
 
 
 def ssd_chunk_table(query_start: torch.Tensor, num_tokens: int, bt: int) -> tuple[torch.Tensor, int]:

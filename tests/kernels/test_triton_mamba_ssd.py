@@ -59,19 +59,19 @@ def _check_pool(pool, want_pool, tol):
     ([33, 64], 1, 16),  # chunk-aligned and not
     ([100], 4, 32),  # one prompt, G == H
     ([0, 5, 1, 0], 2, 16),  # empty sequences (padding rows of a captured batch)
-    ([70, 3], 2, 64),  # shorter than one default chunk... and longer
+    ([70, 3], 2, None),  # the default tiles (BT = 64): one row past a chunk, and a short one
 ])
 def test_chunked_matches_oracle(lens, groups, bt, dtype):
     from lamina.kernels.triton_mamba_ssd_chunk import ssd_chunked_triton
 
-    b = make_batch(lens, heads=4, head_dim=8, groups=groups, dstate=16, dtype=dtype, seed=sum(lens) + bt)
+    b = make_batch(lens, heads=4, head_dim=8, groups=groups, dstate=16, dtype=dtype, seed=sum(lens) + (bt or 0))
     want, want_pool = oracle_varlen(b)
     x, dt, B, C = _dev(b)
     A_log, D, dt_bias = _params(b)
     pool = b.pool.to(DEV)
     y = ssd_chunked_triton(x, dt, A_log, B, C, D, dt_bias, pool, torch.tensor(b.query_start, dtype=torch.int32,
                            device=DEV), torch.tensor(b.slots, device=DEV), torch.tensor(b.init, device=DEV),
-                           tune={"bt": bt})
+                           tune=None if bt is None else {"bt": bt})
     assert y.dtype == dtype and y.shape == x.shape
     assert rel(y, want) < TOL[dtype]
     _check_pool(pool, want_pool, TOL[dtype])
@@ -173,3 +173,27 @@ def test_step_dispatch_on_metadata(lens):
     y = mamba_ssd_varlen_triton(x, dt, A_log, B, C, D, dt_bias, pool, attn, None)
     assert torch.isfinite(y).all()
     assert torch.equal(pool.cpu().nan_to_num(7.0), b.pool.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("with_device_candidates", [True, False], ids=["verify_kernel", "host_candidates"])
+def test_public_entry_on_verify_metadata(with_device_candidates):
+    """mamba_ssd_varlen on a verify step's metadata (on a GPU: the verify kernel when the device candidate table
+    is there, else the reference; on a CPU: the reference) keeps the state after every draft position."""
+    from lamina.kernels.mamba_ssd import mamba_ssd_varlen
+
+    lens = [3, 1, 2]
+    b = make_batch(lens, heads=4, head_dim=8, groups=2, dstate=16, dtype=torch.float32, seed=13,
+                   init=[True, False, True], extra_slots=6)
+    free = [s for s in range(b.pool.shape[0]) if s not in b.slots]
+    cand_lists = [free[:2], [], free[2:3]]
+    cands = torch.tensor([[free[0], free[1]], [0, 0], [free[2], 0]], dtype=torch.int64, device=DEV)
+    want, want_pool = oracle_varlen(b, candidates=cand_lists)
+    x, dt, B, C = _dev(b)
+    A_log, D, dt_bias = _params(b)
+    attn, state = _meta(b)
+    state = StateMetadata(state.slots, state.has_initial_state, b.slots, b.init, cand_lists,
+                          cands if with_device_candidates else None)
+    pool = b.pool.to(DEV)
+    y = mamba_ssd_varlen(x, dt, A_log, B, C, D, dt_bias, pool, attn, state)
+    assert rel(y, want) < TOL[torch.float32]
+    _check_pool(pool, want_pool, 1e-5)
