@@ -13,8 +13,10 @@ Two kernels, fp32 accumulation, the step sizes recomputed from the raw dt in eac
    ssm_states[slot] when has_initial_state (never read otherwise) or zeros; per chunk: save S (input dtype) for
    kernel 2, then S = exp(cum_last) S + (x * w)^T B with w_j = exp(cum_last - cum_j) dt_j, one [BP, BT] x [BT, N]
    dot. Writes the final S to ssm_states[slot] (nothing without a pool).
-2. `_ssd_output_kernel`, grid (chunks, H, P / BP), parallel: CB = C B^T [BT, BT] and C S^T [BT, BP] over N in
-   pieces, M = causal(CB exp(cum_i - cum_j)) diag(dt) rounded to the input dtype, y = M x + exp(cum) C S^T + D x.
+2. `_ssd_output_kernel`, grid (chunks, H / HPP, P / BP), parallel: CB = C B^T [BT, BT] over N in pieces, once for
+   the program's HPP heads of one group (1 by default; `output_heads` picks as many as keep the grid full, which
+   the GPU sweep is to weigh against the registers it costs); per head C S^T [BT, BP],
+   M = causal(CB exp(cum_i - cum_j)) diag(dt) rounded to the input dtype, y = M x + exp(cum) C S^T + D x.
 
 Dots take input-dtype operands (bf16/fp16) with fp32 accumulation, exact fp32 ("ieee") for fp32 inputs; rounded
 to the input dtype: the state snapshots, x * w, and M (where mamba_ssm rounds too). The carried state never is.
@@ -24,17 +26,22 @@ shapes T and B only, so mixed prefill+decode steps can be captured in CUDA graph
 Scratch: the snapshots [T // BT + B, H, P, N] in the input dtype (a 16k-token Nemotron-H 8B prompt at BT=64:
 257 chunks x 128 heads x 64 x 128 x 2 B = 540 MB per layer call, reused by the allocator across layers).
 Rough floor for that prompt, bf16 (not measured): x / B / C / y ~0.6 GB and snapshots 1.1 GB through HBM,
-~0.35 ms at 4.8 TB/s; ~86 GFLOP of dots (~140 at BT=128; CB is recomputed per head, a per-group CB would cut
-it), and the state pass runs 256 dependent steps per program.
+~0.35 ms at 4.8 TB/s; ~54 GFLOP of dots with CB shared by a group's 16 heads (86 with one head per program;
+BT=128: ~70 / 140), and the state pass runs 256 dependent steps per program.
 
 Tiles (`ssd_chunk_tiles`; ptxas -v for sm_90a, Triton 3.6, compiled on the CPU box with the runtime's
 16-divisibility attrs by `scripts/mamba_ssd_bench.py --ptxas`), bf16, Nemotron-H 8B heads (P = 64, N = 128):
   state  BT=64, BP=64, 8 warps, 2 stages    128 regs, 0 spills, 48 KB smem, wgmma   (>= 264 programs)
   state  BT=64, BP=32, 4 warps, 2 stages    128 regs, 0 spills, 20 KB smem, mma     (fewer: one long prompt)
-  output BT=64, BP=64, N pieces of 64, 4 w  168 regs, 0 spills, 24 KB smem, wgmma
+  output BT=64, BP=64, N pieces of 64, 4 w  154 regs, 0 spills, 24 KB smem, wgmma   (one head per program)
+  output the same, 16 heads per program    255 regs, 0 spills, 16 KB smem, wgmma   (8 warps: 254; BP=32: 229)
 BT=128 (fewer, larger snapshots, twice the CB flops per token) compiles too: state BP=64 8 warps 126 regs; output
-BP=64 8 warps 254 regs (1 CTA per SM), BP=32 4 warps spills 36 B: the GPU sweep decides (`tune`).
-fp32 inputs take smaller tiles (exact FMA dots keep operands in registers): a correctness path, not a fast one.
+BP=64 8 warps 254 regs (1 CTA per SM), BP=32 4 warps spills 36 B, 16 heads 8 warps spills 296 B: the GPU sweep
+decides (`tune`).
+fp32 inputs take smaller tiles (exact FMA dots keep operands in registers): a correctness path, not a fast one;
+state BP=16 4 warps 128 regs, output BP=16 N pieces of 16 8 warps 112 regs, no spills (4 warps / pieces of 32
+spilled 1.4 KB). `scripts/mamba_ssd_bench.py --ptxas` compiles every variant the wrapper launches (dtypes, pool /
+no pool, dt limits, heads per program) for sm_90a and prints these numbers.
 """
 from __future__ import annotations
 
@@ -58,16 +65,31 @@ class ChunkTiles:
     out_bp: int
     out_bn: int  # N piece width in the output kernel
     out_warps: int
+    # heads per output program (a divisor of H / G), which share one C B^T; 0: `output_heads` picks from the grid.
+    # 1 by default until the H200 sweep says otherwise: the head loop costs registers (255 at 4 warps vs 154).
+    out_heads: int = 1
 
 
 def ssd_chunk_tiles(dtype: torch.dtype, p: int, n: int, programs_bp64: int) -> ChunkTiles:
     """programs_bp64: state-kernel programs at BP = 64 (seqs * H * P / 64). The state pass is sequential per
-    program, so BP shrinks when there are too few programs to fill an H200's 132 SMs twice."""
+    program, so BP shrinks when there are too few programs to fill an H200's 132 SMs twice. out_heads is set by
+    `output_heads` from the grid size."""
     if dtype == torch.float32:
-        return ChunkTiles(bt=64, state_bp=16, state_warps=4, state_stages=1, out_bp=16, out_bn=32, out_warps=4)
+        return ChunkTiles(bt=64, state_bp=16, state_warps=4, state_stages=1, out_bp=16, out_bn=16, out_warps=8)
     bp = 64 if programs_bp64 >= 264 else 32
     return ChunkTiles(bt=64, state_bp=bp, state_warps=4 if bp == 32 else 8, state_stages=2, out_bp=64, out_bn=64,
                       out_warps=4)
+
+
+def output_heads(heads: int, groups: int, programs_per_head: int, min_programs: int = 1056) -> int:
+    """Heads per output program: as many of a group's heads as keep at least min_programs programs (8 per SM of
+    an H200; from shapes only: programs_per_head = chunk indices x p-blocks), so long prompts compute each C B^T
+    once per group rather than once per head, and short steps keep their parallelism."""
+    per_group = heads // groups
+    for hpp in range(per_group, 1, -1):
+        if per_group % hpp == 0 and programs_per_head * (heads // hpp) >= min_programs:
+            return hpp
+    return 1
 
 
 def ssd_chunk_table(query_start: torch.Tensor, num_tokens: int, bt: int) -> tuple[torch.Tensor, int]:
@@ -145,48 +167,54 @@ def _ssd_state_kernel(x_ptr, dt_ptr, alog_ptr, dtb_ptr, b_ptr, hs_ptr, ssm_ptr, 
 def _ssd_output_kernel(x_ptr, dt_ptr, alog_ptr, dtb_ptr, d_ptr, b_ptr, c_ptr, hs_ptr, y_ptr, tab_ptr, n_chunks,
                        dt_min, dt_max, stride_xt, stride_xh, stride_dt, stride_dh, stride_bt, stride_bg, stride_ct,
                        stride_cg, stride_hc, stride_hh, stride_hp, stride_yt, stride_yh,
-                       HG: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                       BNC: tl.constexpr, BT: tl.constexpr, CLAMP: tl.constexpr, PREC: tl.constexpr):
+                       HG: tl.constexpr, HPP: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, N: tl.constexpr,
+                       BN: tl.constexpr, BNC: tl.constexpr, BT: tl.constexpr, CLAMP: tl.constexpr,
+                       PREC: tl.constexpr):
     c = tl.program_id(0)
-    h = tl.program_id(1)
+    h0 = tl.program_id(1) * HPP  # HPP heads of one group (HPP divides HG): they share C B^T
     s0 = tl.load(tab_ptr + c)
     e0 = tl.load(tab_ptr + n_chunks + c)
     if e0 <= s0:  # an index no chunk owns (the table is sized from shapes)
         return
     DT = hs_ptr.dtype.element_ty
-    h64 = h.to(tl.int64)
-    g64 = (h // HG).to(tl.int64)
+    g64 = (h0 // HG).to(tl.int64)
     o = tl.arange(0, BT)
     rows = s0 + o
     rm = rows < e0
     rows64 = rows.to(tl.int64)
     pp = tl.program_id(2) * BP + tl.arange(0, BP)
     pm = pp < P
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dt, cum, cl = _chunk_decay(dt_ptr, rows64, rm, h64, stride_dt, stride_dh, dtb, a, dt_min, dt_max, CLAMP)
+    xm = rm[:, None] & pm[None, :]
     c_rows = c_ptr + g64 * stride_cg + rows64[:, None] * stride_ct
     b_rows = b_ptr + g64 * stride_bg + rows64[:, None] * stride_bt
-    hs_base = hs_ptr + c.to(tl.int64) * stride_hc + h64 * stride_hh + pp[None, :] * stride_hp
     cb = tl.zeros([BT, BT], dtype=tl.float32)
-    acc = tl.zeros([BT, BP], dtype=tl.float32)
     for n0 in tl.static_range(0, BN, BNC):
         nn = n0 + tl.arange(0, BNC)
-        nm = nn < N
-        cc = tl.load(c_rows + nn[None, :], mask=rm[:, None] & nm[None, :], other=0.0)
-        bb = tl.load(b_rows + nn[None, :], mask=rm[:, None] & nm[None, :], other=0.0)
-        st = tl.load(hs_base + nn[:, None], mask=nm[:, None] & pm[None, :], other=0.0)  # S^T [BNC, BP]
+        cm = rm[:, None] & (nn < N)[None, :]
+        cc = tl.load(c_rows + nn[None, :], mask=cm, other=0.0)
+        bb = tl.load(b_rows + nn[None, :], mask=cm, other=0.0)
         cb = tl.dot(cc, tl.trans(bb), cb, input_precision=PREC)
-        acc = tl.dot(cc, st, acc, input_precision=PREC)
-    acc = acc * tl.exp(cum)[:, None]
     causal = (o[:, None] >= o[None, :]) & rm[:, None]
-    m = tl.where(causal, cb * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0) * dt[None, :]
-    xx = tl.load(x_ptr + h64 * stride_xh + rows64[:, None] * stride_xt + pp[None, :], mask=rm[:, None] & pm[None, :],
-                 other=0.0)
-    acc = tl.dot(m.to(DT), xx, acc, input_precision=PREC)
-    acc += tl.load(d_ptr + h).to(tl.float32) * xx.to(tl.float32)
-    tl.store(y_ptr + h64 * stride_yh + rows64[:, None] * stride_yt + pp[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=rm[:, None] & pm[None, :])
+    for hi in range(HPP):
+        h64 = (h0 + hi).to(tl.int64)
+        dtb = tl.load(dtb_ptr + h64).to(tl.float32)
+        a = -tl.exp(tl.load(alog_ptr + h64).to(tl.float32))
+        dt, cum, cl = _chunk_decay(dt_ptr, rows64, rm, h64, stride_dt, stride_dh, dtb, a, dt_min, dt_max, CLAMP)
+        hs_base = hs_ptr + c.to(tl.int64) * stride_hc + h64 * stride_hh + pp[None, :] * stride_hp
+        acc = tl.zeros([BT, BP], dtype=tl.float32)
+        for n0 in tl.static_range(0, BN, BNC):  # the state carried in: C S^T (C again, from L1 / L2)
+            nn = n0 + tl.arange(0, BNC)
+            nm = nn < N
+            cc = tl.load(c_rows + nn[None, :], mask=rm[:, None] & nm[None, :], other=0.0)
+            st = tl.load(hs_base + nn[:, None], mask=nm[:, None] & pm[None, :], other=0.0)  # S^T [BNC, BP]
+            acc = tl.dot(cc, st, acc, input_precision=PREC)
+        acc = acc * tl.exp(cum)[:, None]
+        m = tl.where(causal, cb * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0) * dt[None, :]
+        xx = tl.load(x_ptr + h64 * stride_xh + rows64[:, None] * stride_xt + pp[None, :], mask=xm, other=0.0)
+        acc = tl.dot(m.to(DT), xx, acc, input_precision=PREC)
+        acc += tl.load(d_ptr + h64).to(tl.float32) * xx.to(tl.float32)
+        tl.store(y_ptr + h64 * stride_yh + rows64[:, None] * stride_yt + pp[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=xm)
 
 
 def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -208,7 +236,8 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B
     if t == 0 or bsz == 0:
         return y
     B, C = (u if u.dtype == dtype else u.to(dtype) for u in (B, C))
-    tiles = dataclasses.replace(ssd_chunk_tiles(dtype, p, n, bsz * h * triton.cdiv(p, 64)), **(tune or {}))
+    tiles = ssd_chunk_tiles(dtype, p, n, bsz * h * triton.cdiv(p, 64))
+    tiles = dataclasses.replace(tiles, **(tune or {}))
     # 16-bit: no tile dimension below 32 (the gated delta kernels hit illegal addresses with 16-wide tiles on the
     # H200, Triton 3.6); dims past P / N are masked.
     lo = 16 if dtype == torch.float32 else 32
@@ -217,6 +246,8 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B
     sbp, obp = (max(lo, min(bp, triton.next_power_of_2(p))) for bp in (tiles.state_bp, tiles.out_bp))
     prec = "ieee" if dtype == torch.float32 else "tf32"
     tab, nc = ssd_chunk_table(query_start, t, bt)
+    hpp = tiles.out_heads or output_heads(h, g, nc * triton.cdiv(p, obp))
+    assert (h // g) % hpp == 0, f"out_heads {hpp} must divide the {h // g} heads of a group"
     hs = torch.empty(nc, h, p, n, dtype=dtype, device=x.device)
     lo_dt, hi_dt, clamp = _clamp_args(dt_min, dt_max)
     has_pool = ssm_states is not None and state_slots is not None
@@ -231,10 +262,10 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B
         hs.stride(0), hs.stride(1), hs.stride(2), ssm.stride(0), ssm.stride(1), ssm.stride(2),
         HG=h // g, P=p, BP=sbp, N=n, BN=bn, BT=bt, HAS_POOL=has_pool, HAS_INIT=has_init, CLAMP=clamp, PREC=prec,
         num_warps=tiles.state_warps, num_stages=tiles.state_stages)
-    _ssd_output_kernel[(nc, h, triton.cdiv(p, obp))](
+    _ssd_output_kernel[(nc, h // hpp, triton.cdiv(p, obp))](
         x, dt, A_log, dt_bias, D, B, C, hs, y, tab, nc, lo_dt, hi_dt,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         hs.stride(0), hs.stride(1), hs.stride(2), y.stride(0), y.stride(1),
-        HG=h // g, P=p, BP=obp, N=n, BN=bn, BNC=min(bn, max(lo, tiles.out_bn)), BT=bt, CLAMP=clamp, PREC=prec,
+        HG=h // g, HPP=hpp, P=p, BP=obp, N=n, BN=bn, BNC=min(bn, max(lo, tiles.out_bn)), BT=bt, CLAMP=clamp, PREC=prec,
         num_warps=tiles.out_warps)
     return y

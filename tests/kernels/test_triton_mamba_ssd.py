@@ -55,6 +55,7 @@ def _check_pool(pool, want_pool, tol):
 
 @pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=ids)
 @pytest.mark.parametrize("lens,groups,bt", [
+    # with a bt, each output program takes all the heads of a group (out_heads = H / G)
     ([1, 40, 1, 1, 9, 2], 2, 16),  # mixed decode / prefill rows
     ([33, 64], 1, 16),  # chunk-aligned and not
     ([100], 4, 32),  # one prompt, G == H
@@ -71,7 +72,7 @@ def test_chunked_matches_oracle(lens, groups, bt, dtype):
     pool = b.pool.to(DEV)
     y = ssd_chunked_triton(x, dt, A_log, B, C, D, dt_bias, pool, torch.tensor(b.query_start, dtype=torch.int32,
                            device=DEV), torch.tensor(b.slots, device=DEV), torch.tensor(b.init, device=DEV),
-                           tune=None if bt is None else {"bt": bt})
+                           tune=None if bt is None else {"bt": bt, "out_heads": 4 // groups})
     assert y.dtype == dtype and y.shape == x.shape
     assert rel(y, want) < TOL[dtype]
     _check_pool(pool, want_pool, TOL[dtype])
@@ -197,3 +198,12 @@ def test_public_entry_on_verify_metadata(with_device_candidates):
     y = mamba_ssd_varlen(x, dt, A_log, B, C, D, dt_bias, pool, attn, state)
     assert rel(y, want) < TOL[torch.float32]
     _check_pool(pool, want_pool, 1e-5)
+
+
+def test_output_heads_keeps_the_grid_full():
+    from lamina.kernels.triton_mamba_ssd_chunk import output_heads
+
+    assert output_heads(128, 8, 257) == 16  # a 16k-token prompt: C B^T once per group
+    assert output_heads(128, 8, 17) == 2  # a 1k-token prompt: 17 x 64 programs
+    assert output_heads(128, 8, 5) == 1
+    assert output_heads(24, 2, 1000) == 12 and output_heads(24, 2, 200) == 4  # divisors of H / G only
