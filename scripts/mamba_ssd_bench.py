@@ -114,7 +114,8 @@ def bench_prefill(timer: Timer, t: int, sweep: bool) -> dict:
         configs = []  # the state and output kernels' tiles are independent but for bt: vary one at a time
         for bt in (64, 128):
             for sbp, sw in ((32, 4), (32, 8), (64, 4), (64, 8)):  # 16-bit tiles are >= 32 wide
-                configs.append(dict(bt=bt, state_bp=sbp, state_warps=sw))
+                for sbn in (N, N // 2, N // 4):
+                    configs.append(dict(bt=bt, state_bp=sbp, state_warps=sw, state_bn=sbn))
             for obp, ow, bn in ((64, 4, 64), (32, 4, 64), (64, 8, 64), (64, 8, 128)):
                 for hpp in (1, 4, H // G, 0):  # 0: output_heads' pick
                     configs.append(dict(bt=bt, out_bp=obp, out_warps=ow, out_bn=bn, out_heads=hpp))
@@ -280,9 +281,11 @@ def ptxas_report() -> list[dict]:
         for programs in (128, 1024):
             t = ssd_chunk_tiles(dtype, P, N, programs)
             for pool, init, clamp in ((True, True, False), (False, False, True)) if programs == 128 else ((True,) * 3,):
-                add(_ssd_state_kernel, act, dict(HG=H // G, P=P, BP=t.state_bp, N=N, BN=N, BT=t.bt, HAS_POOL=pool,
-                                                 HAS_INIT=init, CLAMP=clamp, PREC=prec),
-                    t.state_warps, t.state_stages, BT=t.bt, BP=t.state_bp, pool=pool, init=init, clamp=clamp)
+                add(_ssd_state_kernel, act, dict(HG=H // G, P=P, BP=t.state_bp, N=N, BN=t.state_bn,
+                                                 N_BLOCKS=N // t.state_bn, BT=t.bt, HAS_POOL=pool, HAS_INIT=init,
+                                                 CLAMP=clamp, PREC=prec),
+                    t.state_warps, t.state_stages, BT=t.bt, BP=t.state_bp, BN=t.state_bn, pool=pool, init=init,
+                    clamp=clamp)
         for hpp, clamp in ((1, False), (H // G, True), (2, False)):
             add(_ssd_output_kernel, act, dict(HG=H // G, HPP=hpp, P=P, BP=t.out_bp, N=N, BN=N, BNC=t.out_bn, BT=t.bt,
                                               CLAMP=clamp, PREC=prec), t.out_warps, BT=t.bt, BP=t.out_bp, HPP=hpp,
@@ -297,8 +300,8 @@ def ptxas_report() -> list[dict]:
     for hpp, warps in ((1, 8), (H // G, 8)):  # BT=128 candidates of the sweep
         add(_ssd_output_kernel, "*bf16", dict(HG=H // G, HPP=hpp, P=P, BP=64, N=N, BN=N, BNC=64, BT=128, CLAMP=False,
                                               PREC="tf32"), warps, BT=128, BP=64, HPP=hpp)
-    add(_ssd_state_kernel, "*bf16", dict(HG=H // G, P=P, BP=64, N=N, BN=N, BT=128, HAS_POOL=True, HAS_INIT=True,
-                                         CLAMP=False, PREC="tf32"), 8, 2, BT=128, BP=64)
+    add(_ssd_state_kernel, "*bf16", dict(HG=H // G, P=P, BP=64, N=N, BN=N, N_BLOCKS=1, BT=128, HAS_POOL=True,
+                                         HAS_INIT=True, CLAMP=False, PREC="tf32"), 8, 2, BT=128, BP=64)
     return out
 
 

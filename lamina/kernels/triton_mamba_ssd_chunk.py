@@ -9,9 +9,10 @@ cum_i = sum_{j <= i} dt_j A (fp32) and the state S carried into the chunk:
     S  <- exp(cum_last) S + sum_j exp(cum_last - cum_j) dt_j x_j B_j^T
 Two kernels, fp32 accumulation, the step sizes recomputed from the raw dt in each (a cumsum over BT values):
 
-1. `_ssd_state_kernel`, grid (seqs, H, P / BP), the only sequential part: S [BP, N] fp32 in registers, from
+1. `_ssd_state_kernel`, grid (seqs, H, P / BP x N / BN), the only sequential part: S [BP, BN] fp32 in registers
+   (BN = N unless the batch has too few sequences to fill the GPU), from
    ssm_states[slot] when has_initial_state (never read otherwise) or zeros; per chunk: save S (input dtype) for
-   kernel 2, then S = exp(cum_last) S + (x * w)^T B with w_j = exp(cum_last - cum_j) dt_j, one [BP, BT] x [BT, N]
+   kernel 2, then S = exp(cum_last) S + (x * w)^T B with w_j = exp(cum_last - cum_j) dt_j, one [BP, BT] x [BT, BN]
    dot. Writes the final S to ssm_states[slot] (nothing without a pool).
 2. `_ssd_output_kernel`, grid (chunks, H / HPP, P / BP), parallel: CB = C B^T [BT, BT] over N in pieces, once for
    the program's HPP heads of one group (1 by default; `output_heads` picks as many as keep the grid full, which
@@ -32,7 +33,8 @@ BT=128: ~70 / 140), and the state pass runs 256 dependent steps per program.
 Tiles (`ssd_chunk_tiles`; ptxas -v for sm_90a, Triton 3.6, compiled on the CPU box with the runtime's
 16-divisibility attrs by `scripts/mamba_ssd_bench.py --ptxas`), bf16, Nemotron-H 8B heads (P = 64, N = 128):
   state  BT=64, BP=64, 8 warps, 2 stages    128 regs, 0 spills, 48 KB smem, wgmma   (>= 264 programs)
-  state  BT=64, BP=32, 4 warps, 2 stages    128 regs, 0 spills, 20 KB smem, mma     (fewer: one long prompt)
+  state  BT=64, BP=32, 4 warps, 2 stages    128 regs, 0 spills, 20 KB smem, mma     (>= 132: a few prompts)
+  state  BT=64, BP=32, BN=64, 4 w, 3 stages  86 regs, 0 spills, 20 KB smem, mma     (fewer: one long prompt)
   output BT=64, BP=64, N pieces of 64, 4 w  154 regs, 0 spills, 24 KB smem, wgmma   (one head per program)
   output the same, 16 heads per program    255 regs, 0 spills, 16 KB smem, wgmma   (8 warps: 254; BP=32: 229)
 BT=128 (fewer, larger snapshots, twice the CB flops per token) compiles too: state BP=64 8 warps 126 regs; output
@@ -62,6 +64,7 @@ class ChunkTiles:
     state_bp: int
     state_warps: int
     state_stages: int
+    state_bn: int  # N split of the state tile (>= N: whole rows); more programs for a lone long prompt
     out_bp: int
     out_bn: int  # N piece width in the output kernel
     out_warps: int
@@ -75,10 +78,15 @@ def ssd_chunk_tiles(dtype: torch.dtype, p: int, n: int, programs_bp64: int) -> C
     program, so BP shrinks when there are too few programs to fill an H200's 132 SMs twice. out_heads is set by
     `output_heads` from the grid size."""
     if dtype == torch.float32:
-        return ChunkTiles(bt=64, state_bp=16, state_warps=4, state_stages=1, out_bp=16, out_bn=16, out_warps=8)
+        return ChunkTiles(bt=64, state_bp=16, state_warps=4, state_stages=1, state_bn=n, out_bp=16, out_bn=16,
+                          out_warps=8)
     bp = 64 if programs_bp64 >= 264 else 32
-    return ChunkTiles(bt=64, state_bp=bp, state_warps=4 if bp == 32 else 8, state_stages=2, out_bp=64, out_bn=64,
-                      out_warps=4)
+    # under 264 programs even at BP = 32 (one or two prompts): split the state rows too, at least 32 wide
+    bn = n if programs_bp64 * 2 >= 264 else max(32, triton.next_power_of_2(n) // 2)
+    # the split tile pipelines 3 chunks deep (2 stages spilled 16 B at 4 warps)
+    stages = 3 if bn < n else 2
+    return ChunkTiles(bt=64, state_bp=bp, state_warps=4 if bp == 32 else 8, state_stages=stages, state_bn=bn,
+                      out_bp=64, out_bn=64, out_warps=4)
 
 
 def output_heads(heads: int, groups: int, programs_per_head: int, min_programs: int = 1056) -> int:
@@ -118,10 +126,12 @@ def _ssd_state_kernel(x_ptr, dt_ptr, alog_ptr, dtb_ptr, b_ptr, hs_ptr, ssm_ptr, 
                       n_chunks, dt_min, dt_max, stride_xt, stride_xh, stride_dt, stride_dh, stride_bt, stride_bg,
                       stride_hc, stride_hh, stride_hp, stride_ss, stride_sh, stride_sp,
                       HG: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                      BT: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT: tl.constexpr, CLAMP: tl.constexpr,
-                      PREC: tl.constexpr):
+                      N_BLOCKS: tl.constexpr, BT: tl.constexpr, HAS_POOL: tl.constexpr, HAS_INIT: tl.constexpr,
+                      CLAMP: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    ip = tl.program_id(2) // N_BLOCKS  # the state tile [BP, BN]: p-block ip, n-block in_
+    in_ = tl.program_id(2) % N_BLOCKS
     s0 = tl.load(qs_ptr + b)
     e0 = tl.load(qs_ptr + b + 1)
     if e0 <= s0:
@@ -130,8 +140,8 @@ def _ssd_state_kernel(x_ptr, dt_ptr, alog_ptr, dtb_ptr, b_ptr, hs_ptr, ssm_ptr, 
     nc = tl.cdiv(e0 - s0, BT)
     DT = hs_ptr.dtype.element_ty
     h64 = h.to(tl.int64)
-    pp = tl.program_id(2) * BP + tl.arange(0, BP)
-    nn = tl.arange(0, BN)
+    pp = ip * BP + tl.arange(0, BP)
+    nn = in_ * BN + tl.arange(0, BN)
     pm, nm = pp < P, nn < N
     smask = pm[:, None] & nm[None, :]
     state = tl.zeros([BP, BN], dtype=tl.float32)
@@ -256,12 +266,13 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B
     slots = state_slots if has_pool else tab
     init = (has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state) \
         if has_init else tab
-    _ssd_state_kernel[(bsz, h, triton.cdiv(p, sbp))](
+    sbn = min(bn, max(lo, triton.next_power_of_2(tiles.state_bn)))
+    _ssd_state_kernel[(bsz, h, triton.cdiv(p, sbp) * triton.cdiv(n, sbn))](
         x, dt, A_log, dt_bias, B, hs, ssm, query_start, tab, slots, init, nc, lo_dt, hi_dt,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1),
         hs.stride(0), hs.stride(1), hs.stride(2), ssm.stride(0), ssm.stride(1), ssm.stride(2),
-        HG=h // g, P=p, BP=sbp, N=n, BN=bn, BT=bt, HAS_POOL=has_pool, HAS_INIT=has_init, CLAMP=clamp, PREC=prec,
-        num_warps=tiles.state_warps, num_stages=tiles.state_stages)
+        HG=h // g, P=p, BP=sbp, N=n, BN=sbn, N_BLOCKS=triton.cdiv(n, sbn), BT=bt, HAS_POOL=has_pool,
+        HAS_INIT=has_init, CLAMP=clamp, PREC=prec, num_warps=tiles.state_warps, num_stages=tiles.state_stages)
     _ssd_output_kernel[(nc, h // hpp, triton.cdiv(p, obp))](
         x, dt, A_log, dt_bias, D, B, C, hs, y, tab, nc, lo_dt, hi_dt,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),

@@ -79,6 +79,23 @@ def test_chunked_matches_oracle(lens, groups, bt, dtype):
 
 
 @pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=ids)
+def test_chunked_state_rows_split(dtype):
+    """The state pass with its [P, N] tile split along N too (the lone-long-prompt tiles)."""
+    from lamina.kernels.triton_mamba_ssd_chunk import ssd_chunked_triton
+
+    b = make_batch([45, 2], heads=2, head_dim=8, groups=1, dstate=64, dtype=dtype, seed=8, init=[True, False])
+    want, want_pool = oracle_varlen(b)
+    x, dt, B, C = _dev(b)
+    A_log, D, dt_bias = _params(b)
+    pool = b.pool.to(DEV)
+    y = ssd_chunked_triton(x, dt, A_log, B, C, D, dt_bias, pool, torch.tensor(b.query_start, dtype=torch.int32,
+                           device=DEV), torch.tensor(b.slots, device=DEV), torch.tensor(b.init, device=DEV),
+                           tune={"bt": 32, "state_bn": 16 if dtype == torch.float32 else 32})
+    assert rel(y, want) < TOL[dtype]
+    _check_pool(pool, want_pool, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=ids)
 def test_chunked_strided_views_clamp_and_no_pool(dtype):
     from lamina.kernels.triton_mamba_ssd_chunk import ssd_chunked_triton
 
