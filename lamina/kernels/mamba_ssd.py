@@ -5,7 +5,8 @@ Per head h (P = head_dim values, N = state size), with state S [P, N] and a toke
     S <- exp(dt A) S + dt x B^T;   y = S C + D[h] x
 Grouped B/C: head h reads group h // (H // G). The gated RMSNorm with z and the conv1d are the layer's, not here.
 
-Two references, fp32 throughout (the oracle in tests):
+Two references, fp32 throughout (the CPU path, and what the GPU kernels are tested against; tests check both
+against a float64 per-token oracle):
   - recurrent: token by token, the definition above (decode, verify, and the test oracle);
   - chunked (prefill): the SSD block form over chunks of chunk_size tokens that start at the sequence's first
     token: within a chunk, y_i = sum_{j <= i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j (a masked matmul) plus the
@@ -14,7 +15,8 @@ Two references, fp32 throughout (the oracle in tests):
 Both give the same numbers up to rounding; the chunk size changes nothing but the rounding.
 
 States live in a pool ssm_states [num_slots, H, P, N] fp32 addressed by per-sequence slot indices (the layout HF
-keeps for Mamba-2's ssm_state). Conventions are those of gated_delta.gated_delta_rule_varlen.
+keeps for Mamba-2's ssm_state). Conventions are those of gated_delta.gated_delta_rule_varlen. The GPU path:
+triton_mamba_ssd.py (decode update, verify, chunked scan).
 """
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ shapes T and B only, so mixed prefill+decode steps can be captured in CUDA graph
 Scratch: the snapshots [T // BT + B, H, P, N] in the input dtype (a 16k-token Nemotron-H 8B prompt at BT=64:
 257 chunks x 128 heads x 64 x 128 x 2 B = 540 MB per layer call, reused by the allocator across layers).
 Rough floor for that prompt, bf16 (not measured): x / B / C / y ~0.6 GB and snapshots 1.1 GB through HBM,
-~0.35 ms at 4.8 TB/s; ~54 GFLOP of dots with CB shared by a group's 16 heads (86 with one head per program;
-BT=128: ~70 / 140), and the state pass runs 256 dependent steps per program.
+~0.35 ms at 4.8 TB/s; ~86 GFLOP of dots with one head per output program (the default; ~54 with a group's 16
+heads sharing C B^T; BT=128: ~140 / ~70), and the state pass runs 256 dependent steps per program.
 
 Tiles (`ssd_chunk_tiles`; ptxas -v for sm_90a, Triton 3.6, compiled on the CPU box with the runtime's
 16-divisibility attrs by `scripts/mamba_ssd_bench.py --ptxas`), bf16, Nemotron-H 8B heads (P = 64, N = 128):
@@ -75,8 +75,8 @@ class ChunkTiles:
 
 def ssd_chunk_tiles(dtype: torch.dtype, p: int, n: int, programs_bp64: int) -> ChunkTiles:
     """programs_bp64: state-kernel programs at BP = 64 (seqs * H * P / 64). The state pass is sequential per
-    program, so BP shrinks when there are too few programs to fill an H200's 132 SMs twice. out_heads is set by
-    `output_heads` from the grid size."""
+    program, so its tile shrinks when there are too few programs to fill an H200's 132 SMs twice. out_heads stays
+    1 (ChunkTiles says why)."""
     if dtype == torch.float32:
         return ChunkTiles(bt=64, state_bp=16, state_warps=4, state_stages=1, state_bn=n, out_bp=16, out_bn=16,
                           out_warps=8)
