@@ -178,7 +178,8 @@ def mamba_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: 
     if state is None:
         ssm_states = None
     # Verify steps keep every intermediate state: the Triton verify kernel when the step holds only verify chunks
-    # and single tokens (then state.candidate_slots is set), else the reference.
+    # and single tokens (then state.candidate_slots is set); with prefill rows too, the verify kernel and the
+    # chunked scan on the two halves of the batch.
     if use_triton(x) and state is not None and state.candidate_slots is not None and ssm_states is not None:
         from lamina.kernels.triton_mamba_ssd import mamba_ssd_verify_triton
 
@@ -190,6 +191,11 @@ def mamba_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: 
 
         return mamba_ssd_varlen_triton(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn, state, dt_min, dt_max,
                                        chunk_size)
+    if use_triton(x) and ssm_states is not None:  # verify and prefill in one step (eager): split by sequence
+        from lamina.kernels.triton_mamba_ssd import mamba_ssd_split_verify_triton
+
+        return mamba_ssd_split_verify_triton(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn, state, dt_min,
+                                             dt_max)
     n = attn.num_seqs
     return mamba_ssd_varlen_ref(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn.query_start_cpu,
                                 state.slots_cpu if state is not None else None,

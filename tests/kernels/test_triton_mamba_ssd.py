@@ -224,3 +224,25 @@ def test_output_heads_keeps_the_grid_full():
     assert output_heads(128, 8, 17) == 2  # a 1k-token prompt: 17 x 64 programs
     assert output_heads(128, 8, 5) == 1
     assert output_heads(24, 2, 1000) == 12 and output_heads(24, 2, 200) == 4  # divisors of H / G only
+
+
+@pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=ids)
+def test_split_verify_with_prefill_rows(dtype):
+    """A step where some sequences verify drafts while others prefill (no device candidate table): the verify
+    kernel on the verifying sequences, the chunked scan on the rest, results scattered back in row order."""
+    from lamina.kernels.triton_mamba_ssd import mamba_ssd_split_verify_triton
+
+    lens = [3, 40, 1, 4]
+    b = make_batch(lens, heads=4, head_dim=8, groups=2, dstate=16, dtype=dtype, seed=17,
+                   init=[True, False, True, True], extra_slots=6)
+    free = [s for s in range(b.pool.shape[0]) if s not in b.slots]
+    cand_lists = [free[:2], [], [], free[2:5]]
+    want, want_pool = oracle_varlen(b, candidates=cand_lists)
+    x, dt, B, C = _dev(b, strided=True)
+    A_log, D, dt_bias = _params(b)
+    attn, state = _meta(b)
+    state = StateMetadata(state.slots, state.has_initial_state, b.slots, b.init, cand_lists, None)
+    pool = b.pool.to(DEV)
+    y = mamba_ssd_split_verify_triton(x, dt, A_log, B, C, D, dt_bias, pool, attn, state)
+    assert y.dtype == dtype and rel(y, want) < TOL[dtype]
+    _check_pool(pool, want_pool, TOL[dtype])
