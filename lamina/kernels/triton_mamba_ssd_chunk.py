@@ -19,6 +19,10 @@ Two kernels, fp32 accumulation, the step sizes recomputed from the raw dt in eac
    the GPU sweep is to weigh against the registers it costs); per head C S^T [BT, BP],
    M = causal(CB exp(cum_i - cum_j)) diag(dt) rounded to the input dtype, y = M x + exp(cum) C S^T + D x.
 
+One-token sequences (the decode rows of a mixed prefill+decode step) take a branch in each kernel with the decode
+step's vector math instead of [BT]-row dots that would be 63/64 masked: without it a mixed step with 255 decode
+rows would spend ~85 GFLOP on padding at the Nemotron-H shape.
+
 Dots take input-dtype operands (bf16/fp16) with fp32 accumulation, exact fp32 ("ieee") for fp32 inputs; rounded
 to the input dtype: the state snapshots, x * w, and M (where mamba_ssm rounds too). The carried state never is.
 The chunk table (chunk -> start, end; sequence -> first chunk) is built on the device from query_start by the
@@ -156,19 +160,27 @@ def _ssd_state_kernel(x_ptr, dt_ptr, alog_ptr, dtb_ptr, b_ptr, hs_ptr, ssm_ptr, 
     x_base = x_ptr + h64 * stride_xh + pp[None, :]
     b_base = b_ptr + (h // HG).to(tl.int64) * stride_bg + nn[None, :]
     hs_ptrs = hs_ptr + c0.to(tl.int64) * stride_hc + h64 * stride_hh + pp[:, None] * stride_hp + nn[None, :]
-    o = tl.arange(0, BT)
-    for c in range(nc):
-        rows = s0 + c * BT + o
-        rm = rows < e0
-        rows64 = rows.to(tl.int64)
+    if e0 - s0 == 1:  # a one-token sequence (a decode row of a mixed step): the update without a [BT] dot
         tl.store(hs_ptrs, state.to(DT), mask=smask)
-        hs_ptrs += stride_hc  # 64-bit pointer arithmetic: no int32 overflow at long prompts
-        dt, cum, cl = _chunk_decay(dt_ptr, rows64, rm, h64, stride_dt, stride_dh, dtb, a, dt_min, dt_max, CLAMP)
-        w = tl.exp(cl - cum) * dt
-        xx = tl.load(x_base + rows64[:, None] * stride_xt, mask=rm[:, None] & pm[None, :], other=0.0)
-        bb = tl.load(b_base + rows64[:, None] * stride_bt, mask=rm[:, None] & nm[None, :], other=0.0)
-        xw = (xx.to(tl.float32) * w[:, None]).to(DT)
-        state = state * tl.exp(cl) + tl.dot(tl.trans(xw), bb, input_precision=PREC)
+        s64 = s0.to(tl.int64)
+        dt1 = ssd_step_size(tl.load(dt_ptr + s64 * stride_dt + h64 * stride_dh), dtb, dt_min, dt_max, CLAMP)
+        x1 = tl.load(x_base + s64 * stride_xt, mask=pm[None, :], other=0.0).to(tl.float32)  # [1, BP]
+        b1 = tl.load(b_base + s64 * stride_bt, mask=nm[None, :], other=0.0).to(tl.float32)  # [1, BN]
+        state = state * tl.exp(dt1 * a) + tl.trans(x1 * dt1) * b1
+    else:
+        o = tl.arange(0, BT)
+        for c in range(nc):
+            rows = s0 + c * BT + o
+            rm = rows < e0
+            rows64 = rows.to(tl.int64)
+            tl.store(hs_ptrs, state.to(DT), mask=smask)
+            hs_ptrs += stride_hc  # 64-bit pointer arithmetic: no int32 overflow at long prompts
+            dt, cum, cl = _chunk_decay(dt_ptr, rows64, rm, h64, stride_dt, stride_dh, dtb, a, dt_min, dt_max, CLAMP)
+            w = tl.exp(cl - cum) * dt
+            xx = tl.load(x_base + rows64[:, None] * stride_xt, mask=rm[:, None] & pm[None, :], other=0.0)
+            bb = tl.load(b_base + rows64[:, None] * stride_bt, mask=rm[:, None] & nm[None, :], other=0.0)
+            xw = (xx.to(tl.float32) * w[:, None]).to(DT)
+            state = state * tl.exp(cl) + tl.dot(tl.trans(xw), bb, input_precision=PREC)
     if HAS_POOL:
         tl.store(s_ptrs, state, mask=smask)
 
@@ -188,43 +200,62 @@ def _ssd_output_kernel(x_ptr, dt_ptr, alog_ptr, dtb_ptr, d_ptr, b_ptr, c_ptr, hs
         return
     DT = hs_ptr.dtype.element_ty
     g64 = (h0 // HG).to(tl.int64)
-    o = tl.arange(0, BT)
-    rows = s0 + o
-    rm = rows < e0
-    rows64 = rows.to(tl.int64)
     pp = tl.program_id(2) * BP + tl.arange(0, BP)
     pm = pp < P
-    xm = rm[:, None] & pm[None, :]
-    c_rows = c_ptr + g64 * stride_cg + rows64[:, None] * stride_ct
-    b_rows = b_ptr + g64 * stride_bg + rows64[:, None] * stride_bt
-    cb = tl.zeros([BT, BT], dtype=tl.float32)
-    for n0 in tl.static_range(0, BN, BNC):
-        nn = n0 + tl.arange(0, BNC)
-        cm = rm[:, None] & (nn < N)[None, :]
-        cc = tl.load(c_rows + nn[None, :], mask=cm, other=0.0)
-        bb = tl.load(b_rows + nn[None, :], mask=cm, other=0.0)
-        cb = tl.dot(cc, tl.trans(bb), cb, input_precision=PREC)
-    causal = (o[:, None] >= o[None, :]) & rm[:, None]
-    for hi in range(HPP):
-        h64 = (h0 + hi).to(tl.int64)
-        dtb = tl.load(dtb_ptr + h64).to(tl.float32)
-        a = -tl.exp(tl.load(alog_ptr + h64).to(tl.float32))
-        dt, cum, cl = _chunk_decay(dt_ptr, rows64, rm, h64, stride_dt, stride_dh, dtb, a, dt_min, dt_max, CLAMP)
-        hs_base = hs_ptr + c.to(tl.int64) * stride_hc + h64 * stride_hh + pp[None, :] * stride_hp
-        acc = tl.zeros([BT, BP], dtype=tl.float32)
-        for n0 in tl.static_range(0, BN, BNC):  # the state carried in: C S^T (C again, from L1 / L2)
+    if e0 - s0 == 1:  # a one-token chunk (a decode row of a mixed step): vector math, no [BT, BT] dots
+        # (names here differ from the other branch's: Triton requires a name defined in both to keep its type)
+        r1 = s0.to(tl.int64)
+        n1 = tl.arange(0, BN)
+        n1m = n1 < N
+        c1 = tl.load(c_ptr + g64 * stride_cg + r1 * stride_ct + n1, mask=n1m, other=0.0).to(tl.float32)
+        b1 = tl.load(b_ptr + g64 * stride_bg + r1 * stride_bt + n1, mask=n1m, other=0.0).to(tl.float32)
+        cb1 = tl.sum(c1 * b1, 0)
+        for j1 in range(HPP):
+            h1 = (h0 + j1).to(tl.int64)
+            dt1 = ssd_step_size(tl.load(dt_ptr + r1 * stride_dt + h1 * stride_dh), tl.load(dtb_ptr + h1).to(tl.float32),
+                                dt_min, dt_max, CLAMP)
+            a1 = -tl.exp(tl.load(alog_ptr + h1).to(tl.float32))
+            s1 = tl.load(hs_ptr + c.to(tl.int64) * stride_hc + h1 * stride_hh + pp[:, None] * stride_hp + n1[None, :],
+                         mask=pm[:, None] & n1m[None, :], other=0.0).to(tl.float32)  # S [BP, BN]
+            x1 = tl.load(x_ptr + h1 * stride_xh + r1 * stride_xt + pp, mask=pm, other=0.0).to(tl.float32)
+            y1 = tl.exp(dt1 * a1) * tl.sum(s1 * c1[None, :], 1) + (cb1 * dt1 + tl.load(d_ptr + h1).to(tl.float32)) * x1
+            tl.store(y_ptr + h1 * stride_yh + r1 * stride_yt + pp, y1.to(y_ptr.dtype.element_ty), mask=pm)
+    else:
+        o = tl.arange(0, BT)
+        rows = s0 + o
+        rm = rows < e0
+        rows64 = rows.to(tl.int64)
+        xm = rm[:, None] & pm[None, :]
+        c_rows = c_ptr + g64 * stride_cg + rows64[:, None] * stride_ct
+        b_rows = b_ptr + g64 * stride_bg + rows64[:, None] * stride_bt
+        cb = tl.zeros([BT, BT], dtype=tl.float32)
+        for n0 in tl.static_range(0, BN, BNC):
             nn = n0 + tl.arange(0, BNC)
-            nm = nn < N
-            cc = tl.load(c_rows + nn[None, :], mask=rm[:, None] & nm[None, :], other=0.0)
-            st = tl.load(hs_base + nn[:, None], mask=nm[:, None] & pm[None, :], other=0.0)  # S^T [BNC, BP]
-            acc = tl.dot(cc, st, acc, input_precision=PREC)
-        acc = acc * tl.exp(cum)[:, None]
-        m = tl.where(causal, cb * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0) * dt[None, :]
-        xx = tl.load(x_ptr + h64 * stride_xh + rows64[:, None] * stride_xt + pp[None, :], mask=xm, other=0.0)
-        acc = tl.dot(m.to(DT), xx, acc, input_precision=PREC)
-        acc += tl.load(d_ptr + h64).to(tl.float32) * xx.to(tl.float32)
-        tl.store(y_ptr + h64 * stride_yh + rows64[:, None] * stride_yt + pp[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=xm)
+            cm = rm[:, None] & (nn < N)[None, :]
+            cc = tl.load(c_rows + nn[None, :], mask=cm, other=0.0)
+            bb = tl.load(b_rows + nn[None, :], mask=cm, other=0.0)
+            cb = tl.dot(cc, tl.trans(bb), cb, input_precision=PREC)
+        causal = (o[:, None] >= o[None, :]) & rm[:, None]
+        for hi in range(HPP):
+            h64 = (h0 + hi).to(tl.int64)
+            dtb = tl.load(dtb_ptr + h64).to(tl.float32)
+            a = -tl.exp(tl.load(alog_ptr + h64).to(tl.float32))
+            dt, cum, cl = _chunk_decay(dt_ptr, rows64, rm, h64, stride_dt, stride_dh, dtb, a, dt_min, dt_max, CLAMP)
+            hs_base = hs_ptr + c.to(tl.int64) * stride_hc + h64 * stride_hh + pp[None, :] * stride_hp
+            acc = tl.zeros([BT, BP], dtype=tl.float32)
+            for n0 in tl.static_range(0, BN, BNC):  # the state carried in: C S^T (C again, from L1 / L2)
+                nn = n0 + tl.arange(0, BNC)
+                nm = nn < N
+                cc = tl.load(c_rows + nn[None, :], mask=rm[:, None] & nm[None, :], other=0.0)
+                st = tl.load(hs_base + nn[:, None], mask=nm[:, None] & pm[None, :], other=0.0)  # S^T [BNC, BP]
+                acc = tl.dot(cc, st, acc, input_precision=PREC)
+            acc = acc * tl.exp(cum)[:, None]
+            m = tl.where(causal, cb * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0) * dt[None, :]
+            xx = tl.load(x_ptr + h64 * stride_xh + rows64[:, None] * stride_xt + pp[None, :], mask=xm, other=0.0)
+            acc = tl.dot(m.to(DT), xx, acc, input_precision=PREC)
+            acc += tl.load(d_ptr + h64).to(tl.float32) * xx.to(tl.float32)
+            tl.store(y_ptr + h64 * stride_yh + rows64[:, None] * stride_yt + pp[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=xm)
 
 
 def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
