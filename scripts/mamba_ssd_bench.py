@@ -165,6 +165,75 @@ def bench_decode(timer: Timer, bsz: int, sweep: bool) -> dict:
     return res
 
 
+def bench_verify(timer: Timer, bsz: int = 64, drafts: int = 4) -> dict:
+    """A speculative verify step: bsz sequences of 1 + drafts rows, every intermediate state kept."""
+    from lamina.kernels.triton_mamba_ssd_decode import ssd_verify_triton
+
+    length = 1 + drafts
+    t = bsz * length
+    x, dt, a_log, B, C, D, dt_bias = _inputs(t, seed=3)
+    n_slots = bsz * length + 1
+    pool0 = 0.5 * torch.randn(n_slots, H, P, N, device=DEV)
+    perm = torch.randperm(n_slots)
+    slots, cands = perm[:bsz], perm[bsz:bsz + bsz * drafts].reshape(bsz, drafts)
+    qs = [i * length for i in range(bsz + 1)]
+    init = [True] * bsz
+    ref_pool = pool0.clone()
+    ref = mamba_ssd_varlen_ref(x.float(), dt.float(), a_log, B.float(), C.float(), D, dt_bias, ref_pool, qs,
+                               slots.tolist(), init, candidate_slots=cands.tolist())
+    dqs, dslots, dcands = (torch.tensor(qs, dtype=torch.int32, device=DEV), slots.to(DEV), cands.to(DEV))
+    dinit = torch.ones(bsz, dtype=torch.bool, device=DEV)
+    pool = pool0.clone()
+
+    def run():
+        return ssd_verify_triton(x, dt, a_log, B, C, D, dt_bias, pool, dqs, dslots, dcands, dinit, length)
+
+    y = run()
+    res = {"batch": bsz, "drafts": drafts, "rel_err_y": _rel(y, ref), "rel_err_state": _rel(pool, ref_pool)}
+    moved = bsz * (1 + length) * H * P * N * 4  # one state read, one write per token
+    res["triton_us"] = 1e3 * timer(run)
+    res["triton_GB_s"] = moved / res["triton_us"] / 1e3
+    res["torch_ref_us"] = 1e3 * timer(lambda: mamba_ssd_varlen_ref(x, dt, a_log, B, C, D, dt_bias, pool, qs,
+                                                                   slots.tolist(), init,
+                                                                   candidate_slots=cands.tolist()), iters=3)
+    res["speedup"] = res["torch_ref_us"] / res["triton_us"]
+    return res
+
+
+def bench_mixed(timer: Timer, prompt: int = 2048, decodes: int = 255) -> dict:
+    """A mixed step: one prompt chunk and `decodes` one-token rows in one chunked launch, against the same rows
+    split by sequence (the decode kernel on the one-token rows + the chunked scan on the prompt alone)."""
+    from lamina.kernels.triton_mamba_ssd_chunk import ssd_chunked_triton
+    from lamina.kernels.triton_mamba_ssd_decode import ssd_decode_triton
+
+    t = prompt + decodes
+    x, dt, a_log, B, C, D, dt_bias = _inputs(t, seed=5)
+    starts = [0, prompt] + [prompt + i + 1 for i in range(decodes)]
+    n = decodes + 1
+    pool0 = 0.5 * torch.randn(n + 1, H, P, N, device=DEV)
+    qs = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    slots = torch.arange(n, device=DEV)
+    init = torch.ones(n, dtype=torch.bool, device=DEV)
+    ref_pool = pool0.clone()
+    ref = mamba_ssd_varlen_ref(x.float(), dt.float(), a_log, B.float(), C.float(), D, dt_bias, ref_pool, starts,
+                               slots.tolist(), [True] * n, chunk_size=CHUNK)
+    pool = pool0.clone()
+    y = ssd_chunked_triton(x, dt, a_log, B, C, D, dt_bias, pool, qs, slots, init)
+    res = {"prompt": prompt, "decode_rows": decodes, "rel_err_y": _rel(y, ref), "rel_err_state": _rel(pool, ref_pool)}
+    res["one_launch_us"] = 1e3 * timer(lambda: ssd_chunked_triton(x, dt, a_log, B, C, D, dt_bias, pool, qs, slots,
+                                                                  init))
+    pq = torch.tensor([0, prompt], dtype=torch.int32, device=DEV)
+    xs, dts, Bs, Cs = (u[prompt:] for u in (x, dt, B, C))
+
+    def split():
+        ssd_chunked_triton(x[:prompt], dt[:prompt], a_log, B[:prompt], C[:prompt], D, dt_bias, pool, pq, slots[:1],
+                           init[:1])
+        ssd_decode_triton(xs, dts, a_log, Bs, Cs, D, dt_bias, pool, slots[1:], init[1:])
+
+    res["split_us"] = 1e3 * timer(split)
+    return res
+
+
 def _graph_check(step, pool0: torch.Tensor) -> bool:
     """Captures step(pool) in a CUDA graph; the replay must give the eager result bit for bit."""
     eager_pool = pool0.clone()
@@ -332,7 +401,9 @@ def main() -> None:
            "dtype": str(DTYPE)[6:],
            "shape": {"heads": H, "head_dim": P, "groups": G, "state": N},
            "prefill": [bench_prefill(timer, t, args.sweep) for t in args.prefill_tokens],
-           "decode": [bench_decode(timer, b, args.sweep) for b in args.decode_batches]}
+           "decode": [bench_decode(timer, b, args.sweep) for b in args.decode_batches],
+           "verify": bench_verify(timer, *((3, 2) if args.smoke else ())),
+           "mixed": bench_mixed(timer, *((40, 5) if args.smoke else ()))}
     if DEV == "cuda":
         res.update(bench_mixed_graph())
     print(json.dumps(res, indent=1))
