@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +137,19 @@ def test_grouped_gated_norm_matches_hf(dtype):
         hf.weight.copy_(torch.randn(24))
         ref = hf(y, z)
     assert torch.equal(grouped_gated_rms_norm(y, z, hf.weight.detach(), 8, 1e-5), ref)
+
+
+def test_lamina_verify_passes_on_nemotron_h(ckpts, tmp_path):
+    """`lamina verify` (the console script) on the random Nemotron-H checkpoint: every prompt PASS, exit 0."""
+    exe = shutil.which("lamina") or str(Path(sys.executable).parent / "lamina")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+           "OMP_NUM_THREADS": "1"}
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe capital of France is\\nParis, and the capital of Italy is\n")
+    r = subprocess.run([exe, "verify", str(ckpts["nemotron_h"]), "--prompts", str(prompts), "--max-tokens", "8"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert sum("PASS" in line and line.startswith("prompt ") for line in lines) == 2
+    assert "greedy agree 8/8" in r.stdout and lines[-1].startswith("PASS: 2/2")
