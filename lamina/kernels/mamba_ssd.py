@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.attention import AttentionMetadata
+from lamina.kernels.dispatch import use_triton
 from lamina.kernels.metadata import StateMetadata
 from lamina.kernels.slot_states import read_states, write_states
 
@@ -174,7 +175,19 @@ def mamba_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: 
     graph; the reference loops over the host lists. state None (a profiling pass): zero state, nothing written."""
     if state is None:
         ssm_states = None
-    # The Triton kernels (triton_mamba_ssd.py) land in the next step; until then every device runs the reference.
+    # Verify steps keep every intermediate state: the Triton verify kernel when the step holds only verify chunks
+    # and single tokens (then state.candidate_slots is set), else the reference.
+    if use_triton(x) and state is not None and state.candidate_slots is not None and ssm_states is not None:
+        from lamina.kernels.triton_mamba_ssd import mamba_ssd_verify_triton
+
+        return mamba_ssd_verify_triton(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn.query_start, state.slots,
+                                       state.candidate_slots, state.has_initial_state, attn.max_query_len, dt_min,
+                                       dt_max)
+    if use_triton(x) and (state is None or state.candidate_slots_cpu is None):
+        from lamina.kernels.triton_mamba_ssd import mamba_ssd_varlen_triton
+
+        return mamba_ssd_varlen_triton(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn, state, dt_min, dt_max,
+                                       chunk_size)
     n = attn.num_seqs
     return mamba_ssd_varlen_ref(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn.query_start_cpu,
                                 state.slots_cpu if state is not None else None,

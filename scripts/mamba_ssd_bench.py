@@ -1,0 +1,310 @@
+"""Mamba-2 SSD kernels on the GPU: the Triton chunked scan vs the torch chunked reference for one long prompt, and
+the decode state update at several batch sizes, at a Nemotron-H 8B mixer's shape (HF NemotronHConfig defaults:
+128 heads x head_dim 64, 8 groups, state 128, chunk 128), bf16 activations, fp32 states. Prints one JSON object.
+
+  python scripts/mamba_ssd_bench.py                  # CUDA: checks + timings (+ tile sweeps with --sweep)
+  python scripts/mamba_ssd_bench.py --ptxas          # no GPU needed: registers / spills / smem for sm_90a
+  python scripts/mamba_ssd_bench.py --smoke          # no GPU: every path through Triton's interpreter, tiny shapes
+
+Every timed call is checked against the torch reference on the same inputs first (relative L2 error of y and of
+the states). Each timing is the median over iterations, each one after an L2 flush (the states and inputs are
+otherwise L2-resident at small batches, which no real step sees). Decode bandwidth counts the state read + write
+(the traffic that matters) plus x, B, C, dt, y; the H200's peak is about 4.8 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lamina.kernels.mamba_ssd import mamba_ssd_varlen_ref  # noqa: E402
+
+H, P, G, N, CHUNK = 128, 64, 8, 128, 128  # Nemotron-H 8B's mixer
+PEAK_BW = 4.8e12
+DEV = "cuda"
+DTYPE = torch.bfloat16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _inputs(t: int, seed: int = 0):
+    """x, B, C as views of one conv1d output row [T, H P + 2 G N] (as the layer hands them over), raw dt [T, H],
+    parameters with Mamba-2's init magnitudes."""
+    gen, dtype = torch.Generator(device=DEV).manual_seed(seed), DTYPE
+    xbc = torch.randn(t, H * P + 2 * G * N, device=DEV, generator=gen).to(dtype)
+    x = xbc[:, :H * P].unflatten(1, (H, P))
+    B = xbc[:, H * P:H * P + G * N].unflatten(1, (G, N))
+    C = xbc[:, H * P + G * N:].unflatten(1, (G, N))
+    dt = (0.5 * torch.randn(t, H, device=DEV, generator=gen)).to(dtype)
+    a_log = torch.log(1 + 15 * torch.rand(H, device=DEV, generator=gen))
+    step = torch.exp(torch.empty(H, device=DEV).uniform_(-6.9, -2.3, generator=gen))
+    dt_bias = step + torch.log(-torch.expm1(-step))
+    D = torch.randn(H, device=DEV, generator=gen)
+    return x, dt, a_log, B, C, D, dt_bias
+
+
+class Timer:
+    def __init__(self):
+        self.cuda = DEV == "cuda"
+        self.flush = torch.empty(256 << 20 if self.cuda else 1, dtype=torch.uint8, device=DEV)
+
+    def __call__(self, fn, iters: int = 20, warmup: int = 3) -> float:
+        """Median milliseconds of fn() over iters calls, each after an L2 flush (smoke runs: one untimed call)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            self.flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        times.sort()
+        return times[len(times) // 2]
+
+
+def bench_prefill(timer: Timer, t: int, sweep: bool) -> dict:
+    from lamina.kernels.triton_mamba_ssd_chunk import ssd_chunked_triton
+
+    x, dt, a_log, B, C, D, dt_bias = _inputs(t)
+    qs = torch.tensor([0, t], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([1], device=DEV)
+    init = torch.tensor([True], device=DEV)
+    pool0 = 0.5 * torch.randn(3, H, P, N, device=DEV)
+    ref_pool = pool0.clone()
+    ref = mamba_ssd_varlen_ref(x.float(), dt.float(), a_log, B.float(), C.float(), D, dt_bias, ref_pool, [0, t], [1],
+                               [True], chunk_size=CHUNK)
+    res = {"tokens": t}
+
+    def run(tune=None):
+        pool = pool0.clone()
+        y = ssd_chunked_triton(x, dt, a_log, B, C, D, dt_bias, pool, qs, slots, init, tune=tune)
+        return y, pool
+
+    y, pool = run()
+    res["rel_err_y"] = _rel(y, ref)
+    res["rel_err_state"] = _rel(pool[1], ref_pool[1])
+    pool = pool0.clone()
+    res["triton_ms"] = timer(lambda: ssd_chunked_triton(x, dt, a_log, B, C, D, dt_bias, pool, qs, slots, init))
+    res["triton_tok_s"] = t / res["triton_ms"] * 1e3
+    xr, Br, Cr = x.contiguous(), B.contiguous(), C.contiguous()
+    res["torch_ref_ms"] = timer(lambda: mamba_ssd_varlen_ref(xr, dt, a_log, Br, Cr, D, dt_bias, pool, [0, t], [1],
+                                                             [True], chunk_size=CHUNK), iters=5, warmup=1)
+    res["torch_ref_tok_s"] = t / res["torch_ref_ms"] * 1e3
+    res["speedup"] = res["torch_ref_ms"] / res["triton_ms"]
+    if sweep:
+        configs = []
+        for bt in (64, 128):
+            for sbp, sw in ((32, 4), (32, 8), (64, 4), (64, 8)):  # 16-bit tiles are >= 32 wide
+                for obp, ow, bn in ((64, 4, 64), (32, 4, 64), (64, 8, 64), (64, 8, 128)):
+                    configs.append(dict(bt=bt, state_bp=sbp, state_warps=sw, out_bp=obp, out_warps=ow, out_bn=bn))
+        res["sweep"] = []
+        for cfg in configs:
+            try:
+                y, pool = run(cfg)
+                err = _rel(y, ref)
+                ms = timer(lambda c=cfg: run(c), iters=10)
+                res["sweep"].append({**cfg, "ms": ms, "rel_err_y": err})
+            except Exception as exc:  # a config that fails to compile or launch is a result too
+                res["sweep"].append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    return res
+
+
+def bench_decode(timer: Timer, bsz: int, sweep: bool) -> dict:
+    from lamina.kernels.triton_mamba_ssd_decode import ssd_decode_triton
+
+    x, dt, a_log, B, C, D, dt_bias = _inputs(bsz, seed=bsz)
+    pool0 = 0.5 * torch.randn(bsz + 1, H, P, N, device=DEV)
+    slots = torch.randperm(bsz + 1, device=DEV)[:bsz]
+    init = torch.ones(bsz, dtype=torch.bool, device=DEV)
+    ref_pool = pool0.clone()
+    qs = list(range(bsz + 1))
+    ref = mamba_ssd_varlen_ref(x.float(), dt.float(), a_log, B.float(), C.float(), D, dt_bias, ref_pool, qs,
+                               slots.tolist(), [True] * bsz)
+    pool = pool0.clone()
+    y = ssd_decode_triton(x, dt, a_log, B, C, D, dt_bias, pool, slots, init)
+    res = {"batch": bsz, "rel_err_y": _rel(y, ref), "rel_err_state": _rel(pool, ref_pool)}
+    moved = bsz * (2 * H * P * N * 4 + 2 * (2 * H * P + 2 * G * N + H))
+    res["triton_us"] = 1e3 * timer(lambda: ssd_decode_triton(x, dt, a_log, B, C, D, dt_bias, pool, slots, init))
+    res["triton_GB_s"] = moved / res["triton_us"] / 1e3
+    res["pct_of_peak_bw"] = 100 * moved / (res["triton_us"] * 1e-6) / PEAK_BW
+    hs, hi = slots.tolist(), [True] * bsz
+    res["torch_ref_us"] = 1e3 * timer(lambda: mamba_ssd_varlen_ref(x, dt, a_log, B, C, D, dt_bias, pool, qs, hs, hi),
+                                      iters=10)
+    res["speedup"] = res["torch_ref_us"] / res["triton_us"]
+    if DEV == "cuda":
+        res["graph_replay_ok"] = _graph_check(lambda p: ssd_decode_triton(x, dt, a_log, B, C, D, dt_bias, p, slots,
+                                                                          init), pool0)
+    if sweep:
+        res["sweep"] = []
+        for bp, w in ((4, 2), (8, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)):
+            us = 1e3 * timer(lambda b=bp, ww=w: ssd_decode_triton(x, dt, a_log, B, C, D, dt_bias, pool, slots, init,
+                                                                  block_p=b, num_warps=ww))
+            res["sweep"].append({"block_p": bp, "num_warps": w, "us": us, "GB_s": moved / us / 1e3})
+    return res
+
+
+def _graph_check(step, pool0: torch.Tensor) -> bool:
+    """Captures step(pool) in a CUDA graph; the replay must give the eager result bit for bit."""
+    eager_pool = pool0.clone()
+    want = step(eager_pool).clone()
+    pool = pool0.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(pool0.clone())  # warm-up compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step(pool)
+    pool.copy_(pool0)
+    g.replay()
+    torch.cuda.synchronize()
+    return bool(torch.equal(out, want) and torch.equal(pool, eager_pool))
+
+
+def bench_mixed_graph() -> dict:
+    """The chunked scan captured for a padded mixed step (T rows, S sequence slots), replayed with other lengths."""
+    from lamina.kernels.triton_mamba_ssd_chunk import ssd_chunked_triton
+
+    t, s = 512, 8
+    x, dt, a_log, B, C, D, dt_bias = _inputs(t, seed=7)
+    pool0 = 0.5 * torch.randn(s + 2, H, P, N, device=DEV)
+    qs = torch.zeros(s + 1, dtype=torch.int32, device=DEV)
+    slots = torch.arange(s, device=DEV)
+    init = torch.ones(s, dtype=torch.bool, device=DEV)
+    pool = pool0.clone()
+    qs.copy_(torch.tensor([0, 100, 101, 102, 300, 301, 302, 303, t], dtype=torch.int32))
+    ssd_chunked_triton(x, dt, a_log, B, C, D, dt_bias, pool, qs, slots, init)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ssd_chunked_triton(x, dt, a_log, B, C, D, dt_bias, pool, qs, slots, init)
+    ok = True
+    for lens in ([1, 1, 1, 200, 7, 1, 1, 300], [512, 0, 0, 0, 0, 0, 0, 0], [64] * 8):
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        qs.copy_(torch.tensor(starts, dtype=torch.int32))
+        pool.copy_(pool0)
+        g.replay()
+        ref_pool = pool0.clone()
+        ref = mamba_ssd_varlen_ref(x.float(), dt.float(), a_log, B.float(), C.float(), D, dt_bias, ref_pool, starts,
+                                   slots.tolist(), [True] * s, chunk_size=CHUNK)
+        ok &= _rel(out, ref) < 2e-2 and _rel(pool[:s], ref_pool[:s]) < 2e-2
+    return {"mixed_graph_replay_ok": bool(ok)}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --ptxas: registers and spills without a GPU
+
+
+def _compile_report(fn, types: dict, consts: dict, num_warps: int, num_stages: int = 1) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        t = types[name]
+        sig[name] = t if isinstance(t, str) else "i32"
+        if (isinstance(t, str) and t.startswith("*")) or (isinstance(t, int) and t % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # what the runtime's specialization gives aligned args
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 64),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                         text=True).stderr
+    os.unlink(f.name)
+    regs, spill = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
+    return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else 0,
+            "smem": k.metadata.shared, "wgmma": "wgmma" in k.asm["ptx"], "warps": num_warps, "stages": num_stages}
+
+
+def ptxas_report() -> list[dict]:
+    from lamina.kernels.triton_mamba_ssd_chunk import _ssd_output_kernel, _ssd_state_kernel, ssd_chunk_tiles
+    from lamina.kernels.triton_mamba_ssd_decode import _ssd_decode_kernel, _ssd_verify_kernel, decode_tiles
+
+    row = H * P + 2 * G * N
+    common = dict(x_ptr="*bf16", dt_ptr="*bf16", alog_ptr="*fp32", dtb_ptr="*fp32", d_ptr="*fp32", b_ptr="*bf16",
+                  c_ptr="*bf16", hs_ptr="*bf16", y_ptr="*bf16", ssm_ptr="*fp32", state_ptr="*fp32", qs_ptr="*i32",
+                  tab_ptr="*i32", slot_ptr="*i64", init_ptr="*u8", cand_ptr="*i64", n_chunks=3, dt_min="fp32",
+                  dt_max="fp32", stride_xt=row, stride_xh=P, stride_xb=row, stride_dt=H + 3, stride_db=H + 3,
+                  stride_dh=1, stride_bt=row, stride_bb=row, stride_bg=N, stride_ct=row, stride_cb=row, stride_cg=N,
+                  stride_hc=H * P * N, stride_hh=P * N, stride_hp=N, stride_ss=H * P * N, stride_sh=P * N,
+                  stride_sp=N, stride_yt=H * P, stride_yb=H * P, stride_yh=P, stride_cand=8)
+    out = []
+    for programs in (128, 1024):
+        tl_ = ssd_chunk_tiles(torch.bfloat16, P, N, programs)
+        c = dict(HG=H // G, P=P, BP=tl_.state_bp, N=N, BN=N, BT=tl_.bt, HAS_POOL=True, HAS_INIT=True, CLAMP=False,
+                 PREC="tf32")
+        out.append({"kernel": "_ssd_state_kernel", "BT": tl_.bt, "BP": tl_.state_bp,
+                    **_compile_report(_ssd_state_kernel, common, c, tl_.state_warps, tl_.state_stages)})
+    c = dict(HG=H // G, P=P, BP=tl_.out_bp, N=N, BN=N, BNC=tl_.out_bn, BT=tl_.bt, CLAMP=False, PREC="tf32")
+    out.append({"kernel": "_ssd_output_kernel", "BT": tl_.bt, "BP": tl_.out_bp,
+                **_compile_report(_ssd_output_kernel, common, c, tl_.out_warps)})
+    bp, bn, w = decode_tiles(P, N)
+    c = dict(HG=H // G, P=P, N=N, BLOCK_P=bp, BLOCK_N=bn, HAS_STATE=True, HAS_INIT=True, CLAMP=False)
+    out.append({"kernel": "_ssd_decode_kernel", "BLOCK_P": bp, **_compile_report(_ssd_decode_kernel, common, c, w)})
+    c = dict(HG=H // G, P=P, N=N, BLOCK_P=bp, BLOCK_N=bn, MAX_LEN=4, CLAMP=False)
+    out.append({"kernel": "_ssd_verify_kernel", "BLOCK_P": bp, **_compile_report(_ssd_verify_kernel, common, c, w)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ptxas", action="store_true", help="compile for sm_90a and report registers (no GPU needed)")
+    ap.add_argument("--sweep", action="store_true", help="also time tile alternatives")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
+    ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[4096, 16384])
+    ap.add_argument("--decode-batches", type=int, nargs="*", default=[1, 64, 256])
+    args = ap.parse_args()
+    if args.ptxas:
+        print(json.dumps({"ptxas_sm90a": ptxas_report()}, indent=1))
+        return
+    global H, P, G, N, DEV, DTYPE
+    if args.smoke:  # tiny shapes through the interpreter: every code path, no meaningful numbers
+        os.environ["TRITON_INTERPRET"] = "1"
+        from lamina.kernels.interpreter import patch_triton_interpreter
+
+        patch_triton_interpreter()
+        # fp16: the interpreter computes bf16 dots on raw bits (Triton 3.6)
+        H, P, G, N, DEV, DTYPE = 4, 16, 2, 16, "cpu", torch.float16
+        args.prefill_tokens, args.decode_batches = [150], [1, 3]
+    elif not torch.cuda.is_available():
+        sys.exit("needs CUDA (or --ptxas / --smoke)")
+    timer = Timer()
+    res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke run)",
+           "dtype": str(DTYPE)[6:],
+           "shape": {"heads": H, "head_dim": P, "groups": G, "state": N},
+           "prefill": [bench_prefill(timer, t, args.sweep) for t in args.prefill_tokens],
+           "decode": [bench_decode(timer, b, args.sweep) for b in args.decode_batches]}
+    if DEV == "cuda":
+        res.update(bench_mixed_graph())
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
