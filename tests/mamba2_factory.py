@@ -11,11 +11,22 @@ import torch
 CHUNK = 16
 # Every block kind of the pattern, Mamba layers carrying state across attention and MLP layers.
 NEMOTRON_PATTERN = "M*-M-M"
+NEMOTRON_MOE_PATTERN = "ME*EM"
 FAMILIES = {
     "nemotron_h": ("NemotronHConfig", dict(
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         layers_block_type=[{"M": "linear_attention", "*": "full_attention", "-": "mlp"}[c] for c in NEMOTRON_PATTERN],
         mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=CHUNK,
+        max_position_embeddings=512, initializer_range=0.1, time_step_min=0.01, time_step_max=0.5),
+        "NemotronHForCausalLM"),
+    # Mamba-2 with MoE blocks (grouped sigmoid routing with a correction bias, relu2 experts, a shared expert).
+    "nemotron_h_moe": ("NemotronHConfig", dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layers_block_type=[{"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}[c]
+                           for c in NEMOTRON_MOE_PATTERN],
+        mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=CHUNK,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         max_position_embeddings=512, initializer_range=0.1, time_step_min=0.01, time_step_max=0.5),
         "NemotronHForCausalLM"),
     "bamba": ("BambaConfig", dict(
@@ -39,8 +50,10 @@ def make_mamba2_checkpoint(path: Path, family: str, tokenizer, seed: int = 0) ->
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).float()
     with torch.no_grad():  # HF initializes D to ones and dt_bias to a fixed range: spread them so they are tested
-        for name, p in model.named_parameters():
-            if name.endswith((".D", ".dt_bias")):
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+            elif name.endswith((".D", ".dt_bias")):
                 p.add_(torch.randn_like(p) * 0.5)
             elif name.endswith("norm.weight"):
                 p.mul_(1 + 0.2 * torch.randn_like(p))

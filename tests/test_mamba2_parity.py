@@ -87,6 +87,11 @@ def test_family_configs(ckpts):
     m = nem.mamba2
     assert (m.num_heads, m.head_dim, m.state_size, m.n_groups, m.chunk_size) == (8, 8, 16, 2, CHUNK)
     assert m.conv_dim == 8 * 8 + 2 * 2 * 16 and m.dt_min == 0.01 and m.dt_max == float("inf")
+    moe = config_from_hf(read_hf_config(ckpts["nemotron_h_moe"]))
+    assert [s.ffn for s in moe.layers] == ["none", "relu2_moe", "none", "relu2_moe", "none"]
+    r = moe.relu2_moe
+    assert (r.num_experts, r.top_k, r.n_group, r.topk_group, r.routed_scaling_factor) == (8, 2, 2, 1, 2.5)
+    assert (r.intermediate_size, r.shared_intermediate_size, r.latent_size) == (32, 48, None)
     bam = config_from_hf(read_hf_config(ckpts["bamba"]))
     assert [s.mixer for s in bam.layers] == ["mamba2", "attention", "mamba2", "mamba2"]
     assert all(s.ffn == "dense" for s in bam.layers) and not bam.single_sublayer
@@ -119,7 +124,7 @@ def test_unsupported_nemotron_blocks_are_refused():
     hf = dict(architectures=["NemotronHForCausalLM"], hybrid_override_pattern="M*E", vocab_size=10, hidden_size=8,
               num_attention_heads=2, mamba_num_heads=2, mamba_head_dim=4)
     with pytest.raises(ValueError, match="unsupported block types"):
-        config_from_hf(hf)
+        config_from_hf(dict(hf, hybrid_override_pattern=None, layers_block_type=["mamba"]))
     with pytest.raises(ValueError, match="unknown hybrid_override_pattern"):
         config_from_hf(dict(hf, hybrid_override_pattern="M*X"))
 

@@ -13,7 +13,8 @@ class LayerSpec:
     q_proj), "gated_delta_net" (linear attention with conv + recurrent state in the state pool), "mamba2"
     (Mamba-2 SSD mixer, numbers in ModelConfig.mamba2), "none" (an FFN-only layer of a single-sublayer model);
     ffn: "dense" or "moe" (numbers in ModelConfig.moe), "plain" (up -> activation -> down, no gate: Nemotron-H's
-    relu2 MLP), "none" (a mixer-only layer of a single-sublayer model)."""
+    relu2 MLP), "relu2_moe" (Nemotron-H's MoE, numbers in ModelConfig.relu2_moe), "none" (a mixer-only layer of
+    a single-sublayer model)."""
 
     mixer: str = "attention"
     ffn: str = "dense"
@@ -71,6 +72,24 @@ class Mamba2Spec:
 
 
 @dataclass
+class Relu2MoESpec:
+    """Nemotron-H's MoE block: sigmoid router scores plus a correction bias choose top_k of num_experts inside
+    the topk_group best of n_group groups (a group scores by its two best experts); the chosen raw scores,
+    renormalized if norm_topk_prob, times routed_scaling_factor, weight ungated experts (up -> activation ->
+    down, optionally between latent projections of latent_size); one ungated shared expert is always added."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    latent_size: int | None = None
+
+
+@dataclass
 class MoESpec:
     num_experts: int
     top_k: int
@@ -112,6 +131,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     gdn: GatedDeltaNetSpec | None = None
     mamba2: Mamba2Spec | None = None
+    relu2_moe: Relu2MoESpec | None = None
     # Nemotron-H: every layer is norm -> ONE sublayer (a mixer, or an FFN where its mixer is "none") ->
     # residual, instead of norm -> mixer -> norm -> FFN (layers/single_block.py).
     single_sublayer: bool = False

@@ -5,7 +5,7 @@ Each layer is norm -> one sublayer -> residual (layers/single_block.py), the sub
   M / linear_attention: Mamba-2 mixer (layers/mamba2.py)
   * / full_attention:   attention without RoPE (positions come from the Mamba layers), no biases
   - / mlp:              up -> relu2 -> down, no gate
-  E / moe:              not supported yet (refused with a message)
+  E / moe:              grouped sigmoid-routed relu2 experts + a shared expert (layers/relu2_moe.py)
 Plain RMSNorms (weight, no offset), eps layer_norm_epsilon everywhere, the Mamba gated norm over groups of
 intermediate / n_groups channels. HF's mixer clamps dt at time_step_min from below in its chunked scan
 (time_step_limit = (time_step_min, inf)); lamina applies that clamp at every step (HF's single-token update
@@ -18,20 +18,22 @@ layers (mtp.*) are skipped.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from lamina.models.config import LayerSpec, Mamba2Spec, ModelConfig, eos_list
+from lamina.models.config import LayerSpec, Mamba2Spec, ModelConfig, Relu2MoESpec, eos_list
 from lamina.models.families.common import hf_targets
 from lamina.models.weights import CheckpointMap, Target
 
 ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h"}
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 _LAYERS = {"linear_attention": LayerSpec("mamba2", "none"), "full_attention": LayerSpec("attention", "none"),
-           "mlp": LayerSpec("none", "plain")}
+           "mlp": LayerSpec("none", "plain"), "moe": LayerSpec("none", "relu2_moe")}
 _SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "backbone.mtp.")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 
 
 def layer_types(hf: dict[str, Any]) -> list[str]:
@@ -66,12 +68,21 @@ def mamba_spec(hf: dict[str, Any]) -> Mamba2Spec:
                       norm_eps=hf.get("layer_norm_epsilon", 1e-5))
 
 
+def moe_spec(hf: dict[str, Any]) -> Relu2MoESpec:
+    return Relu2MoESpec(num_experts=hf.get("n_routed_experts", 8), top_k=hf.get("num_experts_per_tok", 2),
+                        intermediate_size=hf.get("moe_intermediate_size", 7688),
+                        shared_intermediate_size=hf.get("moe_shared_expert_intermediate_size", 7688),
+                        n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                        latent_size=hf.get("moe_latent_size"))
+
+
 def config_from_hf(family: str, hf: dict[str, Any]) -> ModelConfig:
     types = layer_types(hf)
     unknown = sorted(set(types) - set(_LAYERS))
     if unknown:
-        raise ValueError(f"nemotron_h: unsupported block types {unknown} (supported: Mamba-2 'M', attention '*', "
-                         f"MLP '-')")
+        raise ValueError(f"nemotron_h: unsupported block types {unknown}")
     if hf.get("mlp_bias"):
         raise ValueError("nemotron_h: mlp_bias is not supported")
     if hf.get("sliding_window"):
@@ -97,6 +108,7 @@ def config_from_hf(family: str, hf: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_list(hf.get("eos_token_id")),
         torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
         mamba2=mamba_spec(hf) if "mamba2" in {s.mixer for s in layers} else None,
+        relu2_moe=moe_spec(hf) if "relu2_moe" in {s.ffn for s in layers} else None,
         single_sublayer=True,
     )
 
@@ -116,8 +128,11 @@ def checkpoint_map(cfg: ModelConfig) -> CheckpointMap:
             name = "model.norm.weight"
         parts = name.split(".")
         if len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[3] == "mixer":
-            if int(parts[2]) in ffn_layers:  # the plain MLP's up_proj is whole, not a gate|up shard
-                return [(Target(".".join(parts[:3] + ["mlp"] + parts[4:])), tensor)]
+            if int(parts[2]) in ffn_layers:  # ungated MLPs and experts: up_proj is whole, not a gate|up shard
+                name = ".".join(parts[:3] + ["mlp"] + parts[4:])
+                if m := _EXPERT.match(name):  # one expert's matrix -> its row of the stacked experts
+                    return [(Target(f"{m[1]}.{m[3]}", expert=int(m[2])), tensor)]
+                return [(Target(name), tensor)]
             parts[3] = "self_attn"
             name = ".".join(parts)
         return hf_targets(name, tensor)

@@ -42,6 +42,10 @@ def build_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
         from lamina.models.layers.single_block import PlainMLP
 
         return PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    if spec.ffn == "relu2_moe":
+        from lamina.models.layers.relu2_moe import Relu2MoE
+
+        return Relu2MoE(cfg)
     raise ValueError(f"unsupported FFN kind {spec.ffn!r}")
 
 
