@@ -104,3 +104,18 @@ def test_stacked_expert_checkpoint_loads(tmp_path, smol_tokenizer):
     assert torch.equal(ea.up_proj, eb.up_proj) and torch.equal(ea.down_proj, eb.down_proj)
     assert a.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
         b.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_benchmark_bytes_count_only_the_routed_experts():
+    from lamina.bench.offline import weight_bytes_per_token
+    from lamina.models.loader import build_model
+
+    spec = Relu2MoESpec(num_experts=4, top_k=1, intermediate_size=8, shared_intermediate_size=8)
+    mc = ModelConfig(family="nemotron_h", vocab_size=10, hidden_size=16, intermediate_size=0, num_heads=2,
+                     num_kv_heads=1, head_dim=8, layers=[LayerSpec("none", "relu2_moe")], hidden_act="relu2",
+                     relu2_moe=spec, single_sublayer=True)
+    model = build_model(mc, torch.float32, torch.device("cpu"))
+    experts = model.model.layers[0].mlp.experts
+    stacked = experts.up_proj.numel() + experts.down_proj.numel()
+    everything = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    assert weight_bytes_per_token(model) == 4 * (everything - stacked * 3 // 4)  # fp32; 1 of 4 experts read

@@ -129,6 +129,11 @@ class Relu2MoE(nn.Module):
             self.fc2_latent_proj = Linear(m.latent_size, cfg.hidden_size)
         self.shared_experts = PlainMLP(cfg.hidden_size, m.shared_intermediate_size, cfg.hidden_act)
 
+    @property
+    def experts_per_token(self) -> int:
+        """Rows of the stacked expert weights one token reads (benchmarks' bytes per token)."""
+        return self.spec.top_k
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.spec
         weights, ids = grouped_sigmoid_topk(self.gate(x), self.gate.e_score_correction_bias, m.top_k, m.n_group,
