@@ -1,7 +1,8 @@
 """A whole Nemotron-H model (Mamba-2, attention without RoPE, relu2 MLP) through the Triton kernels its layers
-dispatch to (conv1d, the SSD scan / state update / verify, the attention q/k/v prep) gives the reference path's
-prompt logprobs and greedy tokens: chunked prefill of several sequences at once, decode, and speculative verify
-steps with candidate states. On a CPU machine the kernels run in Triton's interpreter (CPU tensors)."""
+dispatch to (conv1d, the SSD scan / state update / verify, the grouped gated norm, the attention q/k/v prep)
+gives the reference path's prompt logprobs and greedy tokens: chunked prefill of several sequences at once,
+decode, and speculative verify steps with candidate states. On a CPU machine the kernels run in Triton's
+interpreter (CPU tensors)."""
 from __future__ import annotations
 
 import sys
@@ -38,9 +39,10 @@ def _run(path, patch, monkeypatch, proposer):
         import lamina.kernels.attention_prep as prep
         import lamina.kernels.conv1d as conv
         import lamina.kernels.mamba_ssd as ssd
+        import lamina.kernels.norm_gated_grouped as norm
         import lamina.kernels.triton_mamba_ssd as tssd
 
-        for mod in (prep, conv, ssd):
+        for mod in (prep, conv, ssd, norm):
             monkeypatch.setattr(mod, "use_triton", lambda t, name=mod.__name__: calls.append(name) or True)
         verify = tssd.mamba_ssd_verify_triton
         monkeypatch.setattr(tssd, "mamba_ssd_verify_triton",
@@ -59,7 +61,8 @@ def _run(path, patch, monkeypatch, proposer):
 def test_nemotron_h_through_the_kernels_matches_the_reference(ckpt):
     ref_tokens, ref_lps, _ = run(ckpt, False)
     tokens, lps, calls = run(ckpt, True)
-    assert {"lamina.kernels.conv1d", "lamina.kernels.mamba_ssd", "lamina.kernels.attention_prep"} <= set(calls)
+    assert {"lamina.kernels.conv1d", "lamina.kernels.mamba_ssd", "lamina.kernels.attention_prep",
+            "lamina.kernels.norm_gated_grouped"} <= set(calls)
     assert tokens == ref_tokens
     assert max((a - b).abs().max().item() for a, b in zip(lps, ref_lps)) <= 1e-4
     # Verify steps (every draft right, then every draft wrong): the SSD verify kernel's candidate states

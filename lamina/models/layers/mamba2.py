@@ -18,28 +18,17 @@ speculative verify), so prefix-cache snapshots and rollback copy them like any d
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lamina.cache.specs import RecurrentStateSpec, SlotRows, StateTensor
 from lamina.kernels.conv1d import causal_conv1d_varlen
 from lamina.kernels.mamba_ssd import mamba_ssd_varlen
 from lamina.kernels.metadata import StepContext
+from lamina.kernels.norm_gated_grouped import grouped_gated_rms_norm
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import Linear
 
 SSM_DTYPE = torch.float32
-
-
-def grouped_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
-                           eps: float) -> torch.Tensor:
-    """y, z: [T, I]; weight [I]. (y * silu(z)) in fp32, RMS-normalized per group of group_size channels, cast
-    to y's dtype, times weight: HF's gated norm with norm_before_gate=False, rounding included."""
-    t, width = y.shape
-    h = y.float() * F.silu(z.float())
-    h = h.view(t, width // group_size, group_size)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.view(t, width).to(y.dtype)
 
 
 class GroupedGatedRMSNorm(nn.Module):
