@@ -111,17 +111,20 @@ def bench_prefill(timer: Timer, t: int, sweep: bool) -> dict:
     res["torch_ref_tok_s"] = t / res["torch_ref_ms"] * 1e3
     res["speedup"] = res["torch_ref_ms"] / res["triton_ms"]
     if sweep:
-        configs = []
+        configs = []  # the state and output kernels' tiles are independent but for bt: vary one at a time
         for bt in (64, 128):
             for sbp, sw in ((32, 4), (32, 8), (64, 4), (64, 8)):  # 16-bit tiles are >= 32 wide
-                for obp, ow, bn in ((64, 4, 64), (32, 4, 64), (64, 8, 64), (64, 8, 128)):
-                    configs.append(dict(bt=bt, state_bp=sbp, state_warps=sw, out_bp=obp, out_warps=ow, out_bn=bn))
+                for sbn in (N, N // 2, N // 4):
+                    configs.append(dict(bt=bt, state_bp=sbp, state_warps=sw, state_bn=sbn))
+            for obp, ow, bn in ((64, 4, 64), (32, 4, 64), (64, 8, 64), (64, 8, 128)):
+                for hpp in (1, 4, H // G, 0):  # 0: output_heads' pick
+                    configs.append(dict(bt=bt, out_bp=obp, out_warps=ow, out_bn=bn, out_heads=hpp))
         res["sweep"] = []
         for cfg in configs:
             try:
                 y, pool = run(cfg)
                 err = _rel(y, ref)
-                ms = timer(lambda c=cfg: run(c), iters=10)
+                ms = timer(lambda c=cfg: run(c), iters=10)  # both kernels (+ a pool copy): compare within bt
                 res["sweep"].append({**cfg, "ms": ms, "rel_err_y": err})
             except Exception as exc:  # a config that fails to compile or launch is a result too
                 res["sweep"].append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
@@ -159,6 +162,75 @@ def bench_decode(timer: Timer, bsz: int, sweep: bool) -> dict:
             us = 1e3 * timer(lambda b=bp, ww=w: ssd_decode_triton(x, dt, a_log, B, C, D, dt_bias, pool, slots, init,
                                                                   block_p=b, num_warps=ww))
             res["sweep"].append({"block_p": bp, "num_warps": w, "us": us, "GB_s": moved / us / 1e3})
+    return res
+
+
+def bench_verify(timer: Timer, bsz: int = 64, drafts: int = 4) -> dict:
+    """A speculative verify step: bsz sequences of 1 + drafts rows, every intermediate state kept."""
+    from lamina.kernels.triton_mamba_ssd_decode import ssd_verify_triton
+
+    length = 1 + drafts
+    t = bsz * length
+    x, dt, a_log, B, C, D, dt_bias = _inputs(t, seed=3)
+    n_slots = bsz * length + 1
+    pool0 = 0.5 * torch.randn(n_slots, H, P, N, device=DEV)
+    perm = torch.randperm(n_slots)
+    slots, cands = perm[:bsz], perm[bsz:bsz + bsz * drafts].reshape(bsz, drafts)
+    qs = [i * length for i in range(bsz + 1)]
+    init = [True] * bsz
+    ref_pool = pool0.clone()
+    ref = mamba_ssd_varlen_ref(x.float(), dt.float(), a_log, B.float(), C.float(), D, dt_bias, ref_pool, qs,
+                               slots.tolist(), init, candidate_slots=cands.tolist())
+    dqs, dslots, dcands = (torch.tensor(qs, dtype=torch.int32, device=DEV), slots.to(DEV), cands.to(DEV))
+    dinit = torch.ones(bsz, dtype=torch.bool, device=DEV)
+    pool = pool0.clone()
+
+    def run():
+        return ssd_verify_triton(x, dt, a_log, B, C, D, dt_bias, pool, dqs, dslots, dcands, dinit, length)
+
+    y = run()
+    res = {"batch": bsz, "drafts": drafts, "rel_err_y": _rel(y, ref), "rel_err_state": _rel(pool, ref_pool)}
+    moved = bsz * (1 + length) * H * P * N * 4  # one state read, one write per token
+    res["triton_us"] = 1e3 * timer(run)
+    res["triton_GB_s"] = moved / res["triton_us"] / 1e3
+    res["torch_ref_us"] = 1e3 * timer(lambda: mamba_ssd_varlen_ref(x, dt, a_log, B, C, D, dt_bias, pool, qs,
+                                                                   slots.tolist(), init,
+                                                                   candidate_slots=cands.tolist()), iters=3)
+    res["speedup"] = res["torch_ref_us"] / res["triton_us"]
+    return res
+
+
+def bench_mixed(timer: Timer, prompt: int = 2048, decodes: int = 255) -> dict:
+    """A mixed step: one prompt chunk and `decodes` one-token rows in one chunked launch, against the same rows
+    split by sequence (the decode kernel on the one-token rows + the chunked scan on the prompt alone)."""
+    from lamina.kernels.triton_mamba_ssd_chunk import ssd_chunked_triton
+    from lamina.kernels.triton_mamba_ssd_decode import ssd_decode_triton
+
+    t = prompt + decodes
+    x, dt, a_log, B, C, D, dt_bias = _inputs(t, seed=5)
+    starts = [0, prompt] + [prompt + i + 1 for i in range(decodes)]
+    n = decodes + 1
+    pool0 = 0.5 * torch.randn(n + 1, H, P, N, device=DEV)
+    qs = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    slots = torch.arange(n, device=DEV)
+    init = torch.ones(n, dtype=torch.bool, device=DEV)
+    ref_pool = pool0.clone()
+    ref = mamba_ssd_varlen_ref(x.float(), dt.float(), a_log, B.float(), C.float(), D, dt_bias, ref_pool, starts,
+                               slots.tolist(), [True] * n, chunk_size=CHUNK)
+    pool = pool0.clone()
+    y = ssd_chunked_triton(x, dt, a_log, B, C, D, dt_bias, pool, qs, slots, init)
+    res = {"prompt": prompt, "decode_rows": decodes, "rel_err_y": _rel(y, ref), "rel_err_state": _rel(pool, ref_pool)}
+    res["one_launch_us"] = 1e3 * timer(lambda: ssd_chunked_triton(x, dt, a_log, B, C, D, dt_bias, pool, qs, slots,
+                                                                  init))
+    pq = torch.tensor([0, prompt], dtype=torch.int32, device=DEV)
+    xs, dts, Bs, Cs = (u[prompt:] for u in (x, dt, B, C))
+
+    def split():
+        ssd_chunked_triton(x[:prompt], dt[:prompt], a_log, B[:prompt], C[:prompt], D, dt_bias, pool, pq, slots[:1],
+                           init[:1])
+        ssd_decode_triton(xs, dts, a_log, Bs, Cs, D, dt_bias, pool, slots[1:], init[1:])
+
+    res["split_us"] = 1e3 * timer(split)
     return res
 
 
@@ -243,33 +315,62 @@ def _compile_report(fn, types: dict, consts: dict, num_warps: int, num_stages: i
             "smem": k.metadata.shared, "wgmma": "wgmma" in k.asm["ptx"], "warps": num_warps, "stages": num_stages}
 
 
+def _arg_types(act: str) -> dict:
+    """Argument types at the Nemotron-H shape: activations (x, B, C, dt, y, snapshots) in `act`, x / B / C as views
+    of one conv1d output row."""
+    row = H * P + 2 * G * N
+    return dict(x_ptr=act, dt_ptr=act, alog_ptr="*fp32", dtb_ptr="*fp32", d_ptr="*fp32", b_ptr=act, c_ptr=act,
+                hs_ptr=act, y_ptr=act, ssm_ptr="*fp32", state_ptr="*fp32", qs_ptr="*i32", tab_ptr="*i32",
+                slot_ptr="*i64", init_ptr="*u8", cand_ptr="*i64", n_chunks=3, dt_min="fp32", dt_max="fp32",
+                stride_xt=row, stride_xh=P, stride_xb=row, stride_dt=H + 3, stride_db=H + 3, stride_dh=1,
+                stride_bt=row, stride_bb=row, stride_bg=N, stride_ct=row, stride_cb=row, stride_cg=N,
+                stride_hc=H * P * N, stride_hh=P * N, stride_hp=N, stride_ss=H * P * N, stride_sh=P * N, stride_sp=N,
+                stride_yt=H * P, stride_yb=H * P, stride_yh=P, stride_cand=8)
+
+
 def ptxas_report() -> list[dict]:
+    """The default tiles' registers, then every compile-time variant the wrapper can launch (fp16 / fp32, no pool,
+    no initial state, dt limits, heads per program, BT=128): a variant that does not compile on sm_90a shows
+    here instead of on the GPU (the interpreter does not type-check loop-carried values)."""
     from lamina.kernels.triton_mamba_ssd_chunk import _ssd_output_kernel, _ssd_state_kernel, ssd_chunk_tiles
     from lamina.kernels.triton_mamba_ssd_decode import _ssd_decode_kernel, _ssd_verify_kernel, decode_tiles
 
-    row = H * P + 2 * G * N
-    common = dict(x_ptr="*bf16", dt_ptr="*bf16", alog_ptr="*fp32", dtb_ptr="*fp32", d_ptr="*fp32", b_ptr="*bf16",
-                  c_ptr="*bf16", hs_ptr="*bf16", y_ptr="*bf16", ssm_ptr="*fp32", state_ptr="*fp32", qs_ptr="*i32",
-                  tab_ptr="*i32", slot_ptr="*i64", init_ptr="*u8", cand_ptr="*i64", n_chunks=3, dt_min="fp32",
-                  dt_max="fp32", stride_xt=row, stride_xh=P, stride_xb=row, stride_dt=H + 3, stride_db=H + 3,
-                  stride_dh=1, stride_bt=row, stride_bb=row, stride_bg=N, stride_ct=row, stride_cb=row, stride_cg=N,
-                  stride_hc=H * P * N, stride_hh=P * N, stride_hp=N, stride_ss=H * P * N, stride_sh=P * N,
-                  stride_sp=N, stride_yt=H * P, stride_yb=H * P, stride_yh=P, stride_cand=8)
     out = []
-    for programs in (128, 1024):
-        tl_ = ssd_chunk_tiles(torch.bfloat16, P, N, programs)
-        c = dict(HG=H // G, P=P, BP=tl_.state_bp, N=N, BN=N, BT=tl_.bt, HAS_POOL=True, HAS_INIT=True, CLAMP=False,
-                 PREC="tf32")
-        out.append({"kernel": "_ssd_state_kernel", "BT": tl_.bt, "BP": tl_.state_bp,
-                    **_compile_report(_ssd_state_kernel, common, c, tl_.state_warps, tl_.state_stages)})
-    c = dict(HG=H // G, P=P, BP=tl_.out_bp, N=N, BN=N, BNC=tl_.out_bn, BT=tl_.bt, CLAMP=False, PREC="tf32")
-    out.append({"kernel": "_ssd_output_kernel", "BT": tl_.bt, "BP": tl_.out_bp,
-                **_compile_report(_ssd_output_kernel, common, c, tl_.out_warps)})
-    bp, bn, w = decode_tiles(P, N)
-    c = dict(HG=H // G, P=P, N=N, BLOCK_P=bp, BLOCK_N=bn, HAS_STATE=True, HAS_INIT=True, CLAMP=False)
-    out.append({"kernel": "_ssd_decode_kernel", "BLOCK_P": bp, **_compile_report(_ssd_decode_kernel, common, c, w)})
-    c = dict(HG=H // G, P=P, N=N, BLOCK_P=bp, BLOCK_N=bn, MAX_LEN=4, CLAMP=False)
-    out.append({"kernel": "_ssd_verify_kernel", "BLOCK_P": bp, **_compile_report(_ssd_verify_kernel, common, c, w)})
+
+    def add(fn, act, consts, warps, stages=1, **tag):
+        try:
+            rep = _compile_report(fn, _arg_types(act), consts, warps, stages)
+        except Exception as exc:  # a failing variant is the finding
+            rep = {"error": f"{type(exc).__name__}: {exc}"[-300:]}
+        out.append({"kernel": fn.__name__, "act": act[1:], **tag, **rep})
+
+    for act in ("*bf16", "*fp16", "*fp32"):
+        dtype = {"*bf16": torch.bfloat16, "*fp16": torch.float16, "*fp32": torch.float32}[act]
+        prec = "ieee" if dtype == torch.float32 else "tf32"
+        for programs in (128, 1024):
+            t = ssd_chunk_tiles(dtype, P, N, programs)
+            for pool, init, clamp in ((True, True, False), (False, False, True)) if programs == 128 else ((True,) * 3,):
+                add(_ssd_state_kernel, act, dict(HG=H // G, P=P, BP=t.state_bp, N=N, BN=t.state_bn,
+                                                 N_BLOCKS=N // t.state_bn, BT=t.bt, HAS_POOL=pool, HAS_INIT=init,
+                                                 CLAMP=clamp, PREC=prec),
+                    t.state_warps, t.state_stages, BT=t.bt, BP=t.state_bp, BN=t.state_bn, pool=pool, init=init,
+                    clamp=clamp)
+        for hpp, clamp in ((1, False), (H // G, True), (2, False)):
+            add(_ssd_output_kernel, act, dict(HG=H // G, HPP=hpp, P=P, BP=t.out_bp, N=N, BN=N, BNC=t.out_bn, BT=t.bt,
+                                              CLAMP=clamp, PREC=prec), t.out_warps, BT=t.bt, BP=t.out_bp, HPP=hpp,
+                clamp=clamp)
+        bp, bn, w = decode_tiles(P, N)
+        for state, init, clamp in ((True, True, False), (True, False, True), (False, False, False)):
+            add(_ssd_decode_kernel, act, dict(HG=H // G, P=P, N=N, BLOCK_P=bp, BLOCK_N=bn, HAS_STATE=state,
+                                              HAS_INIT=init, CLAMP=clamp), w, BLOCK_P=bp, state=state, init=init)
+        for clamp in (False, True):
+            add(_ssd_verify_kernel, act, dict(HG=H // G, P=P, N=N, BLOCK_P=bp, BLOCK_N=bn, MAX_LEN=4, CLAMP=clamp), w,
+                BLOCK_P=bp, clamp=clamp)
+    for hpp, warps in ((1, 8), (H // G, 8)):  # BT=128 candidates of the sweep
+        add(_ssd_output_kernel, "*bf16", dict(HG=H // G, HPP=hpp, P=P, BP=64, N=N, BN=N, BNC=64, BT=128, CLAMP=False,
+                                              PREC="tf32"), warps, BT=128, BP=64, HPP=hpp)
+    add(_ssd_state_kernel, "*bf16", dict(HG=H // G, P=P, BP=64, N=N, BN=N, N_BLOCKS=1, BT=128, HAS_POOL=True,
+                                         HAS_INIT=True, CLAMP=False, PREC="tf32"), 8, 2, BT=128, BP=64)
     return out
 
 
@@ -300,7 +401,9 @@ def main() -> None:
            "dtype": str(DTYPE)[6:],
            "shape": {"heads": H, "head_dim": P, "groups": G, "state": N},
            "prefill": [bench_prefill(timer, t, args.sweep) for t in args.prefill_tokens],
-           "decode": [bench_decode(timer, b, args.sweep) for b in args.decode_batches]}
+           "decode": [bench_decode(timer, b, args.sweep) for b in args.decode_batches],
+           "verify": bench_verify(timer, *((3, 2) if args.smoke else ())),
+           "mixed": bench_mixed(timer, *((40, 5) if args.smoke else ()))}
     if DEV == "cuda":
         res.update(bench_mixed_graph())
     print(json.dumps(res, indent=1))

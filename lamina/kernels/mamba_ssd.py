@@ -5,7 +5,8 @@ Per head h (P = head_dim values, N = state size), with state S [P, N] and a toke
     S <- exp(dt A) S + dt x B^T;   y = S C + D[h] x
 Grouped B/C: head h reads group h // (H // G). The gated RMSNorm with z and the conv1d are the layer's, not here.
 
-Two references, fp32 throughout (the oracle in tests):
+Two references, fp32 throughout (the CPU path, and what the GPU kernels are tested against; tests check both
+against a float64 per-token oracle):
   - recurrent: token by token, the definition above (decode, verify, and the test oracle);
   - chunked (prefill): the SSD block form over chunks of chunk_size tokens that start at the sequence's first
     token: within a chunk, y_i = sum_{j <= i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j (a masked matmul) plus the
@@ -14,7 +15,8 @@ Two references, fp32 throughout (the oracle in tests):
 Both give the same numbers up to rounding; the chunk size changes nothing but the rounding.
 
 States live in a pool ssm_states [num_slots, H, P, N] fp32 addressed by per-sequence slot indices (the layout HF
-keeps for Mamba-2's ssm_state). Conventions are those of gated_delta.gated_delta_rule_varlen.
+keeps for Mamba-2's ssm_state). Conventions are those of gated_delta.gated_delta_rule_varlen. The GPU path:
+triton_mamba_ssd.py (decode update, verify, chunked scan).
 """
 from __future__ import annotations
 
@@ -176,7 +178,8 @@ def mamba_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: 
     if state is None:
         ssm_states = None
     # Verify steps keep every intermediate state: the Triton verify kernel when the step holds only verify chunks
-    # and single tokens (then state.candidate_slots is set), else the reference.
+    # and single tokens (then state.candidate_slots is set); with prefill rows too, the verify kernel and the
+    # chunked scan on the two halves of the batch.
     if use_triton(x) and state is not None and state.candidate_slots is not None and ssm_states is not None:
         from lamina.kernels.triton_mamba_ssd import mamba_ssd_verify_triton
 
@@ -188,6 +191,11 @@ def mamba_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: 
 
         return mamba_ssd_varlen_triton(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn, state, dt_min, dt_max,
                                        chunk_size)
+    if use_triton(x) and ssm_states is not None:  # verify and prefill in one step (eager): split by sequence
+        from lamina.kernels.triton_mamba_ssd import mamba_ssd_split_verify_triton
+
+        return mamba_ssd_split_verify_triton(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn, state, dt_min,
+                                             dt_max)
     n = attn.num_seqs
     return mamba_ssd_varlen_ref(x, dt, A_log, B, C, D, dt_bias, ssm_states, attn.query_start_cpu,
                                 state.slots_cpu if state is not None else None,

@@ -55,6 +55,7 @@ def _check_pool(pool, want_pool, tol):
 
 @pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=ids)
 @pytest.mark.parametrize("lens,groups,bt", [
+    # with a bt, each output program takes all the heads of a group (out_heads = H / G)
     ([1, 40, 1, 1, 9, 2], 2, 16),  # mixed decode / prefill rows
     ([33, 64], 1, 16),  # chunk-aligned and not
     ([100], 4, 32),  # one prompt, G == H
@@ -71,8 +72,25 @@ def test_chunked_matches_oracle(lens, groups, bt, dtype):
     pool = b.pool.to(DEV)
     y = ssd_chunked_triton(x, dt, A_log, B, C, D, dt_bias, pool, torch.tensor(b.query_start, dtype=torch.int32,
                            device=DEV), torch.tensor(b.slots, device=DEV), torch.tensor(b.init, device=DEV),
-                           tune=None if bt is None else {"bt": bt})
+                           tune=None if bt is None else {"bt": bt, "out_heads": 4 // groups})
     assert y.dtype == dtype and y.shape == x.shape
+    assert rel(y, want) < TOL[dtype]
+    _check_pool(pool, want_pool, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=ids)
+def test_chunked_state_rows_split(dtype):
+    """The state pass with its [P, N] tile split along N too (the lone-long-prompt tiles)."""
+    from lamina.kernels.triton_mamba_ssd_chunk import ssd_chunked_triton
+
+    b = make_batch([45, 2], heads=2, head_dim=8, groups=1, dstate=64, dtype=dtype, seed=8, init=[True, False])
+    want, want_pool = oracle_varlen(b)
+    x, dt, B, C = _dev(b)
+    A_log, D, dt_bias = _params(b)
+    pool = b.pool.to(DEV)
+    y = ssd_chunked_triton(x, dt, A_log, B, C, D, dt_bias, pool, torch.tensor(b.query_start, dtype=torch.int32,
+                           device=DEV), torch.tensor(b.slots, device=DEV), torch.tensor(b.init, device=DEV),
+                           tune={"bt": 32, "state_bn": 16 if dtype == torch.float32 else 32})
     assert rel(y, want) < TOL[dtype]
     _check_pool(pool, want_pool, TOL[dtype])
 
@@ -197,3 +215,34 @@ def test_public_entry_on_verify_metadata(with_device_candidates):
     y = mamba_ssd_varlen(x, dt, A_log, B, C, D, dt_bias, pool, attn, state)
     assert rel(y, want) < TOL[torch.float32]
     _check_pool(pool, want_pool, 1e-5)
+
+
+def test_output_heads_keeps_the_grid_full():
+    from lamina.kernels.triton_mamba_ssd_chunk import output_heads
+
+    assert output_heads(128, 8, 257) == 16  # a 16k-token prompt: C B^T once per group
+    assert output_heads(128, 8, 17) == 2  # a 1k-token prompt: 17 x 64 programs
+    assert output_heads(128, 8, 5) == 1
+    assert output_heads(24, 2, 1000) == 12 and output_heads(24, 2, 200) == 4  # divisors of H / G only
+
+
+@pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=ids)
+def test_split_verify_with_prefill_rows(dtype):
+    """A step where some sequences verify drafts while others prefill (no device candidate table): the verify
+    kernel on the verifying sequences, the chunked scan on the rest, results scattered back in row order."""
+    from lamina.kernels.triton_mamba_ssd import mamba_ssd_split_verify_triton
+
+    lens = [3, 40, 1, 4]
+    b = make_batch(lens, heads=4, head_dim=8, groups=2, dstate=16, dtype=dtype, seed=17,
+                   init=[True, False, True, True], extra_slots=6)
+    free = [s for s in range(b.pool.shape[0]) if s not in b.slots]
+    cand_lists = [free[:2], [], [], free[2:5]]
+    want, want_pool = oracle_varlen(b, candidates=cand_lists)
+    x, dt, B, C = _dev(b, strided=True)
+    A_log, D, dt_bias = _params(b)
+    attn, state = _meta(b)
+    state = StateMetadata(state.slots, state.has_initial_state, b.slots, b.init, cand_lists, None)
+    pool = b.pool.to(DEV)
+    y = mamba_ssd_split_verify_triton(x, dt, A_log, B, C, D, dt_bias, pool, attn, state)
+    assert y.dtype == dtype and rel(y, want) < TOL[dtype]
+    _check_pool(pool, want_pool, TOL[dtype])
