@@ -46,11 +46,14 @@ def old_kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
 def old_bytes_per_slot(cfg, dtype: torch.dtype) -> int:
     """The state pool's bytes per slot before specs: conv window in the model dtype + fp32 recurrent state."""
     item = torch.empty((), dtype=dtype).element_size()
-    g = cfg.gdn
+    g, m = cfg.gdn, cfg.mamba2
     n = sum(1 for s in cfg.layers if s.mixer == "gated_delta_net")
-    if not n:
-        return 0
-    return n * (g.conv_dim * (g.conv_kernel - 1) * item + g.num_v_heads * g.head_k_dim * g.head_v_dim * 4)
+    n_mamba = sum(1 for s in cfg.layers if s.mixer == "mamba2")  # Mamba-2: conv window + fp32 [H, P, N]
+    total = n_mamba * (m.conv_dim * (m.conv_kernel - 1) * item + m.num_heads * m.head_dim * m.state_size * 4) \
+        if n_mamba else 0
+    if n:
+        total += n * (g.conv_dim * (g.conv_kernel - 1) * item + g.num_v_heads * g.head_k_dim * g.head_v_dim * 4)
+    return total
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -61,7 +64,7 @@ def test_sizes_from_specs_equal_the_old_sizes(preset, dtype):
     for bs in (1, 16):
         assert layout.kv_bytes_per_block(bs) == old_kv_bytes_per_block(model.config, bs, dtype) > 0
     assert layout.bytes_per_slot() == old_bytes_per_slot(model.config, dtype)
-    assert layout.has_slots == (model.config.gdn is not None)
+    assert layout.has_slots == (model.config.gdn is not None or model.config.mamba2 is not None)
 
 
 def test_qwen3_next_spec_shapes_and_dtypes():

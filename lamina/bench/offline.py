@@ -61,10 +61,11 @@ def run_latency(llm, prompt: list[int], output_len: int, repeats: int = 3) -> di
 def _expert_params(model: torch.nn.Module) -> dict[int, float]:
     """id(param) -> the fraction of it one token reads: top_k / num_experts for stacked expert weights."""
     from lamina.models.layers.moe import SparseMoE
+    from lamina.models.layers.relu2_moe import Relu2MoE
 
     frac: dict[int, float] = {}
     for m in model.modules():
-        if isinstance(m, SparseMoE):
+        if isinstance(m, (SparseMoE, Relu2MoE)):
             for p in m.experts.parameters():
                 frac[id(p)] = m.experts_per_token / m.experts.num_experts
     return frac

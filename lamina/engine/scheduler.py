@@ -214,6 +214,11 @@ class Scheduler:
         if seq.num_computed_tokens + n != seq.num_tokens:
             seq.draft_token_ids = []
             return 0
+        # Recurrent layers keep candidate j's state after the chunk's token j: the chunk must be the last known
+        # token plus the drafts (a preempted sequence recomputing its history keeps drafts it was given).
+        if self.state_slots is not None and n != 1:
+            seq.draft_token_ids = []
+            return 0
         k = min(len(seq.draft_token_ids), seq.max_tokens - seq.num_output_tokens - 1, budget - n)
         if self.state_slots is not None and k > 0:
             # Recurrent state rolls back through candidate slots, one per draft (the state after the chunk's

@@ -10,8 +10,11 @@ class LayerSpec:
     """What one decoder layer is made of.
 
     mixer: "attention" (full or sliding), "gated_attention" (Qwen3-Next: sigmoid output gate from a doubled
-    q_proj), "gated_delta_net" (linear attention with conv + recurrent state in the state pool);
-    ffn: "dense" or "moe" (numbers in ModelConfig.moe)."""
+    q_proj), "gated_delta_net" (linear attention with conv + recurrent state in the state pool), "mamba2"
+    (Mamba-2 SSD mixer, numbers in ModelConfig.mamba2), "none" (an FFN-only layer of a single-sublayer model);
+    ffn: "dense" or "moe" (numbers in ModelConfig.moe), "plain" (up -> activation -> down, no gate: Nemotron-H's
+    relu2 MLP), "relu2_moe" (Nemotron-H's MoE, numbers in ModelConfig.relu2_moe), "none" (a mixer-only layer of
+    a single-sublayer model)."""
 
     mixer: str = "attention"
     ffn: str = "dense"
@@ -38,6 +41,52 @@ class GatedDeltaNetSpec:
     @property
     def conv_dim(self) -> int:  # channels of the causal conv: q | k | v
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+@dataclass
+class Mamba2Spec:
+    """A Mamba-2 mixer's numbers: H heads of P channels (intermediate = H * P), N state channels per head, G
+    groups of B/C shared by H // G heads each, a causal conv of K taps over x | B | C, the SSD chunk length,
+    dt clamped to [dt_min, dt_max] after softplus(dt + dt_bias), the gated norm's eps over groups of
+    intermediate // G channels."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj / out_proj bias
+    chunk_size: int = 256
+    dt_min: float = 0.0
+    dt_max: float = float("inf")
+    norm_eps: float = 1e-5
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the causal conv: x | B | C
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+@dataclass
+class Relu2MoESpec:
+    """Nemotron-H's MoE block: sigmoid router scores plus a correction bias choose top_k of num_experts inside
+    the topk_group best of n_group groups (a group scores by its two best experts); the chosen raw scores,
+    renormalized if norm_topk_prob, times routed_scaling_factor, weight ungated experts (up -> activation ->
+    down, optionally between latent projections of latent_size); one ungated shared expert is always added."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    latent_size: int | None = None
 
 
 @dataclass
@@ -81,6 +130,11 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     gdn: GatedDeltaNetSpec | None = None
+    mamba2: Mamba2Spec | None = None
+    relu2_moe: Relu2MoESpec | None = None
+    # Nemotron-H: every layer is norm -> ONE sublayer (a mixer, or an FFN where its mixer is "none") ->
+    # residual, instead of norm -> mixer -> norm -> FFN (layers/single_block.py).
+    single_sublayer: bool = False
     moe: MoESpec | None = None
     # config.json's quantization_config as written (models/quantization.py chooses the weight formats from it).
     quantization_config: dict[str, Any] | None = None

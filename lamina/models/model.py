@@ -14,6 +14,7 @@ from lamina.models.layers.linear import Embedding, Linear
 from lamina.models.layers.norm import RMSNorm
 from lamina.models.layers.rope_table import RopeTable
 from lamina.models.layers.sandwich_decoder import SandwichDecoderLayer
+from lamina.models.layers.single_block import SingleSublayerLayer
 
 
 class Backbone(nn.Module):
@@ -29,6 +30,8 @@ class Backbone(nn.Module):
                 key = _rope_key(spec.rope_theta, spec.rope_scaling)
                 self.ropes.setdefault(key, RopeTable(cfg.rotary_dim, spec.rope_theta, spec.rope_scaling))
         layer_cls = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        if cfg.single_sublayer:
+            layer_cls = SingleSublayerLayer
         self.layers = nn.ModuleList(layer_cls(cfg, spec, self._rope_of(cfg, spec)) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.embed_scale = cfg.embed_scale
@@ -64,7 +67,7 @@ class CausalLM(nn.Module):
     def state_layers(self) -> list[Stateful]:
         """The mixers, in layer order: each declares its per-sequence state (state_spec, None for none) and
         takes the views the engine allocates for it (bind_state); see cache/specs.py."""
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.layers if hasattr(layer, "self_attn")]  # not FFN-only
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       ctx: StepContext) -> torch.Tensor:

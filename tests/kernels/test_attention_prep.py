@@ -21,6 +21,7 @@ CASES = {
     "partial_rotary_offset": (6, 4, 2, 64, 16, True, 1.0, False),
     "gated_q_view": (4, 4, 2, 64, 16, True, 1.0, True),
     "odd_heads_d96": (2, 6, 3, 96, 32, True, 0.0, False),
+    "no_rope": (5, 4, 2, 64, 0, False, 0.0, False),  # Nemotron-H attention: rotary_dim 0, q/k pass through
 }
 PARAMS = [(c, torch.bfloat16) for c in CASES] + [(c, dt) for c in ("qwen3_decode", "partial_rotary_offset")
                                                 for dt in (torch.float16, torch.float32)]

@@ -12,6 +12,7 @@ from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.attention import Attention
 from lamina.models.layers.gated_attention import GatedAttention
 from lamina.models.layers.gated_delta_net import GatedDeltaNet
+from lamina.models.layers.mamba2 import Mamba2Mixer
 from lamina.models.layers.mlp import GatedMLP
 from lamina.models.layers.moe import SparseMoE
 from lamina.models.layers.norm import RMSNorm
@@ -27,6 +28,8 @@ def build_mixer(cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> nn.Module
     if spec.mixer == "gated_delta_net":
         # Held as `self_attn` like every mixer (HF calls it linear_attn; the family maps the names).
         return GatedDeltaNet(cfg, spec)
+    if spec.mixer == "mamba2":
+        return Mamba2Mixer(cfg, spec)
     raise ValueError(f"unsupported mixer kind {spec.mixer!r}")
 
 
@@ -35,6 +38,14 @@ def build_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
     if spec.ffn == "moe":
         return SparseMoE(cfg)
+    if spec.ffn == "plain":
+        from lamina.models.layers.single_block import PlainMLP
+
+        return PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    if spec.ffn == "relu2_moe":
+        from lamina.models.layers.relu2_moe import Relu2MoE
+
+        return Relu2MoE(cfg)
     raise ValueError(f"unsupported FFN kind {spec.ffn!r}")
 
 
