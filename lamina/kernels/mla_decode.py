@@ -57,10 +57,11 @@ def mla_decode_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     bs = cache.shape[1]
     n_blocks = (max(lens) + bs - 1) // bs
     kv = cache[block_tables[:, :n_blocks].long()].flatten(1, 2).float()  # [B, S, C + R]
-    scores = (torch.einsum("bhc,bsc->bhs", q_lat.float(), kv[..., :c])
-              + torch.einsum("bhr,bsr->bhs", q_pe.float(), kv[..., c:])) * scale
     key_pos = torch.arange(kv.shape[1], device=q_lat.device)
     mask = key_pos[None, :] < torch.tensor(lens, device=q_lat.device)[:, None]  # [B, S]
+    kv = kv.masked_fill(~mask[..., None], 0.0)  # rows past a sequence may hold anything (stale, other data)
+    scores = (torch.einsum("bhc,bsc->bhs", q_lat.float(), kv[..., :c])
+              + torch.einsum("bhr,bsr->bhs", q_pe.float(), kv[..., c:])) * scale
     p = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
     return torch.einsum("bhs,bsc->bhc", p, kv[..., :c]).to(q_lat.dtype)
 
