@@ -11,7 +11,7 @@ _BASE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num
              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
              qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
              first_k_dense_replace=1, max_position_embeddings=512, initializer_range=0.15)
-_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
          "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
 # name -> (config class, overrides)

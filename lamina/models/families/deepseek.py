@@ -34,7 +34,7 @@ def _scaling(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta, scaling = rope_params(hf)
     if scaling is not None:
         scaling = dict(scaling)
-        kind = scaling.get("rope_type", scaling.get("type"))
+        kind = scaling["rope_type"] = scaling.get("rope_type", scaling.get("type"))  # hub configs say "type"
         if kind == "yarn":  # YaRN's factor may be implied by the two lengths (HF's rule)
             scaling.setdefault("max_position_embeddings", hf.get("max_position_embeddings"))
             if hf.get("original_max_position_embeddings"):
