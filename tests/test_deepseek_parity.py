@@ -133,3 +133,22 @@ def test_yarn_table_and_softmax_scale_match_hf():
     hf_scale = v3.yarn_apply_mscale(cfg.rope_parameters, 192 ** -0.5)
     assert yarn_softmax_mscale(rope) * 192 ** -0.5 == pytest.approx(hf_scale, rel=1e-12)
     assert yarn_softmax_mscale(None) == 1.0
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("budget", [1000, 4096])
+def test_key_tiled_prefill_matches_hf(ckpts, name, budget, monkeypatch):
+    # A tiny budget sends every chunk with context past ~14 tokens through the key-tiled online softmax
+    # (16-key tiles; 1000: also 16-query sub-chunks of the 23-token chunks), as long contexts on a GPU would.
+    from lamina.models.layers.mla import LatentAttention
+
+    monkeypatch.setattr(LatentAttention, "expand_budget", budget)
+    calls, tiled = [], LatentAttention._prefill_tiled
+    monkeypatch.setattr(LatentAttention, "_prefill_tiled",
+                        lambda self, q, rows: calls.append(1) or tiled(self, q, rows))
+    llm = make(ckpts[name], max_num_batched_tokens=23)
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
+                       use_tqdm=False)[0]
+    ours = torch.tensor([out.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))])
+    assert (ours - _hf_chosen(ckpts[name])).abs().max().item() <= 1e-4
+    assert calls

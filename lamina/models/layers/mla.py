@@ -41,6 +41,9 @@ class LatentAttention(nn.Module):
     # Mixed prefill+decode CUDA graphs cannot replay the expanded prefill (it plans from host query lengths);
     # the engine captures decode graphs only for models with such a layer (engine/build.py).
     mixed_graphs = False
+    # Elements of expanded K/V (and of scores) one prefill chunk may materialize at once (~1 GiB in bf16);
+    # longer contexts take the key-tiled path (_prefill_tiled).
+    expand_budget = 1 << 29
 
     def __init__(self, cfg: ModelConfig, rope: RopeTable) -> None:
         super().__init__()
@@ -131,9 +134,11 @@ class LatentAttention(nn.Module):
         """One sequence's chunk of L queries (the last L of its seq_len positions), expanded form -> [L, H, dv]."""
         h, dn, c = self.num_heads, self.nope_dim, self.kv_lora_rank
         rows = gather_latent(self.cache, block_table, seq_len).to(q_nope.dtype)  # [S, C + R]
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        if seq_len * h * self._expanded_width > self.expand_budget:
+            return self._prefill_tiled(q, rows)
         kv = self.kv_b_proj(rows[:, :c]).view(seq_len, h, dn + self.v_dim)
         k = torch.cat([kv[..., :dn], rows[:, None, c:].expand(seq_len, h, self.rope_dim)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
         qlen = q.shape[0]
         # [H, L, D] x [H, S, D]; a chunk after earlier context sees all of it plus its own causal part.
         args = (q.transpose(0, 1), k.transpose(0, 1), kv[..., dn:].transpose(0, 1))
@@ -145,6 +150,41 @@ class LatentAttention(nn.Module):
             mask = key_pos[None, :] <= q_pos[:, None]
             res = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=self.scale)
         return res.transpose(0, 1)
+
+    @property
+    def _expanded_width(self) -> int:
+        """Elements per context token and head that the expanded form materializes (kv_b out + K)."""
+        return 2 * self.nope_dim + self.v_dim + self.rope_dim
+
+    def _prefill_tiled(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The expanded form over key tiles with an online softmax (fp32), for long contexts: at most
+        ~expand_budget elements of expanded K/V and of scores exist at once, instead of the whole context's."""
+        h, dn, c, dv = self.num_heads, self.nope_dim, self.kv_lora_rank, self.v_dim
+        seq_len, qlen = rows.shape[0], q.shape[0]
+        tile = max(16, min(self.expand_budget // (h * self._expanded_width), self.expand_budget // (h * qlen)))
+        q_step = qlen if tile * h * qlen <= self.expand_budget else max(16, self.expand_budget // (h * tile))
+        out = q.new_empty(qlen, h, dv)
+        for q0 in range(0, qlen, q_step):
+            q1 = min(qlen, q0 + q_step)
+            qh = q[q0:q1].transpose(0, 1).float()  # [H, Lq, D]
+            q_pos = torch.arange(seq_len - qlen + q0, seq_len - qlen + q1, device=q.device)
+            m = torch.full((h, q1 - q0), float("-inf"), device=q.device)
+            denom = torch.zeros(h, q1 - q0, device=q.device)
+            acc = torch.zeros(h, q1 - q0, dv, device=q.device)
+            for s0 in range(0, seq_len - qlen + q1, tile):  # keys past the last query are never seen
+                s1 = min(seq_len - qlen + q1, s0 + tile)
+                kv = self.kv_b_proj(rows[s0:s1, :c]).view(s1 - s0, h, dn + dv).float()
+                s = (torch.einsum("hld,nhd->hln", qh[..., :dn], kv[..., :dn])
+                     + torch.einsum("hlr,nr->hln", qh[..., dn:], rows[s0:s1, c:].float())) * self.scale
+                if s1 > q_pos[0]:  # the tile reaches into the chunk: causal mask
+                    s = s.masked_fill(torch.arange(s0, s1, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
+                m_new = torch.maximum(m, s.amax(dim=-1))  # finite from the first tile on (key 0 is visible)
+                alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
+                denom = denom * alpha + p.sum(dim=-1)
+                acc = acc * alpha[..., None] + torch.einsum("hln,nhd->hld", p, kv[..., dn:])
+                m = m_new
+            out[q0:q1] = (acc / denom[..., None]).transpose(0, 1).to(q.dtype)
+        return out
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 seq_lens_cpu: list[int], max_seq_len: int) -> torch.Tensor:
