@@ -151,3 +151,21 @@ def test_lamina_verify_passes_on_a_random_deepseek_v3(ckpts):
     r = run_verify([str(ckpts["deepseek_v3"]), "--max-tokens", "8"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1].startswith("PASS: ")
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_speculative_verify_steps_keep_greedy_outputs(ckpts, wrong):
+    # Verify steps score 1 + k tokens per sequence through the expanded form; right drafts are all accepted,
+    # wrong ones all rejected (their latent rows roll back and are overwritten).
+    from spec.spec_helpers import OracleProposer, with_proposer
+
+    ps = prompts(5, seed=2)
+    want = [o.outputs[0].token_ids for o in make(ckpts["deepseek_v3"]).generate(ps, GREEDY, use_tqdm=False)]
+    proposer = OracleProposer(ps, want, wrong=wrong)
+    llm = with_proposer(make(ckpts["deepseek_v3"], max_num_batched_tokens=24), proposer, 3)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    assert got == want
+    stats = llm.engine.stats()
+    assert proposer.calls > 0 and stats.num_spec_draft_tokens > 0
+    assert (stats.num_spec_accepted_tokens == 0) == wrong
+    assert all_free(llm)
