@@ -81,7 +81,12 @@ class LatentAttention(nn.Module):
         return LatentAttentionSpec(self.kv_lora_rank, self.rope_dim, dtype)
 
     def bind_state(self, view: LatentBlocks) -> None:
+        """Also derives the absorbed weights and the rope permutation on the cache's device: the engine binds
+        after loading and before any forward, so a CUDA-graph capture never has to build them."""
         self._cache = view
+        like = torch.empty(0, dtype=view.kv.dtype, device=view.kv.device)
+        self._absorbed_weights(like)
+        self._rope_index(like.device)
 
     @property
     def cache(self) -> torch.Tensor:
@@ -97,9 +102,7 @@ class LatentAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         if self.rope_perm is not None:
-            if self._perm is None or self._perm.device != x.device:
-                self._perm = torch.tensor(self.rope_perm, device=x.device)
-            perm = self._perm
+            perm = self._rope_index(x.device)
             q_pe, k_pe = q_pe.index_select(-1, perm), k_pe.index_select(-1, perm)
         q_pe, k_pe = apply_rope(q_pe.contiguous(), k_pe.reshape(t, 1, self.rope_dim).contiguous(), positions,
                                 self.rope.table)
@@ -195,9 +198,16 @@ class LatentAttention(nn.Module):
                              seq_lens_cpu, max_seq_len)
         return torch.bmm(out_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [B, H, dv]
 
+    def _rope_index(self, device: torch.device) -> torch.Tensor | None:
+        if self.rope_perm is not None and (self._perm is None or self._perm.device != device):
+            self._perm = torch.tensor(self.rope_perm, device=device)
+        return self._perm
+
     @torch.no_grad()
     def _absorbed_weights(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._absorbed is None or self._absorbed[0].device != like.device:
+        """(W_UK, W_UV^T) in like's dtype and device, derived once (weights are fixed after loading)."""
+        have = self._absorbed
+        if have is None or have[0].device != like.device or have[0].dtype != like.dtype:
             eye = torch.eye(self.kv_lora_rank, dtype=like.dtype, device=like.device)
             w = self.kv_b_proj(eye).t().reshape(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             self._absorbed = (w[:, :self.nope_dim].contiguous(), w[:, self.nope_dim:].transpose(1, 2).contiguous())
