@@ -160,5 +160,6 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         NUM_SPLITS=n_split, DOT_PREC=prec, num_warps=8 if block_c >= 256 else 4, num_stages=2)
     _mla_decode_reduce_kernel[(b, h)](
         po, plse, seq_lens, out, h, po.stride(0), po.stride(1), po.stride(2), out.stride(0), out.stride(1),
-        C=c, BLOCK_C=block_c, NUM_SPLITS=n_split, BLOCK_S=triton.next_power_of_2(n_split), num_warps=4)
+        C=c, BLOCK_C=block_c, NUM_SPLITS=n_split, BLOCK_S=triton.next_power_of_2(n_split),
+        num_warps=8 if triton.next_power_of_2(n_split) * block_c >= 8192 else 4)
     return out
