@@ -66,3 +66,41 @@ def test_block_fp8_deepseek_v3_matches_hf_on_its_dequantized_copy(tmp_path, smol
     ref = hf_logprobs(ddir, PROMPT + gen)
     assert gen == [int(ref[len(PROMPT) - 1 + i].argmax()) for i in range(len(gen))]
     assert llm.engine.model.model.layers[1].self_attn.kv_b_proj.weight.dtype == FP8
+
+
+def _prompt_logprobs(llm: LLM) -> torch.Tensor:
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=12, prompt_logprobs=0, logprobs=0,
+                                                                    temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    prompt = [out.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))]
+    return torch.tensor(prompt), out.outputs[0]
+
+
+def test_fp8_latent_cache_within_the_rounding_bound(tmp_path, smol_tokenizer, monkeypatch):
+    """--kv-cache-dtype fp8 stores the latent rows in e4m3 (one byte each: the pool plans with it), and the
+    logprobs stay within 24x the error of the same model with a bf16 latent cache (the bound and its
+    derivation: tests/test_fp8_kv_cache.py), over chunked prefill (expanded) and decode (absorbed)."""
+    from lamina.engine import build
+
+    path = make_deepseek_checkpoint(tmp_path / "src", "deepseek_v3", smol_tokenizer, seed=22)
+
+    def make(**kw) -> LLM:
+        return LLM(model=str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, progress=False,
+                   max_num_batched_tokens=7, **kw)
+
+    ref_p, ref_out = _prompt_logprobs(make())
+    llm = make(kv_cache_dtype="fp8")
+    assert {v.kv.dtype for v in llm.engine.kv_cache.views} == {FP8}
+    assert llm.engine.state_layout.kv_bytes_per_block(4) == 3 * 4 * (32 + 16)
+    fp8_p, fp8_out = _prompt_logprobs(llm)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+    with monkeypatch.context() as m:
+        m.setattr(build, "kv_storage_dtype", lambda config: torch.bfloat16)
+        bf16_p, bf16_out = _prompt_logprobs(make())
+    e8, e16 = (fp8_p - ref_p).abs().max().item(), (bf16_p - ref_p).abs().max().item()
+    assert 0 < e8 <= 24 * e16 + 1e-3, (e8, e16)
+    # decode: the logprob of the reference's greedy tokens, as long as the greedy paths agree
+    n = next((i for i, (a, b) in enumerate(zip(fp8_out.token_ids, ref_out.token_ids)) if a != b), 12)
+    d8 = max((abs(fp8_out.logprobs[i][t].logprob - ref_out.logprobs[i][t].logprob)
+              for i, t in enumerate(ref_out.token_ids[:n])), default=0.0)
+    assert n > 0 and d8 <= 24 * max(e16, 1e-4) + 1e-3

@@ -10,11 +10,14 @@ first kv_lora_rank columns.
 Contract shared by the reference and the Triton kernel: sequence b owns row b of q_lat/q_pe and attends to
 its first seq_lens[b] cached tokens (this step's included: store first) through block_tables[b]; a sequence
 with seq_len 0 is padding (CUDA-graph rows): its output is zeros and no cache row is read.
+An FP8 (e4m3) cache (--kv-cache-dtype fp8) stores the rows saturated at +-448, scale 1 (the latent is
+RMS-normed, so its entries are O(1)); readers widen it to the query's dtype.
 """
 from __future__ import annotations
 
 import torch
 
+from lamina.kernels.attention import _index_copy, to_cache_dtype
 from lamina.kernels.dispatch import use_triton
 
 
@@ -22,11 +25,18 @@ def store_latent_ref(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tens
                      slot_mapping: torch.Tensor) -> None:
     """latent [T, C], k_pe [T, R] -> cache rows slot_mapping ([num_blocks, block_size, C + R]); slots < 0 skip."""
     flat = cache.view(-1, cache.shape[-1])
-    rows = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
+    rows = to_cache_dtype(torch.cat([latent, k_pe], dim=-1), cache.dtype)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         rows, slot_mapping = rows[valid], slot_mapping[valid]
-    flat.index_copy_(0, slot_mapping.long(), rows)
+    _index_copy(flat, slot_mapping.long(), rows)
+
+
+def _rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] (torch has no CPU gather for float8: the bytes are gathered)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[index].view(cache.dtype)
+    return cache[index]
 
 
 def store_latent(latent, k_pe, cache, slot_mapping) -> None:
@@ -41,7 +51,7 @@ def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, n_tokens: int)
     """The first n_tokens cache rows of one sequence, [n_tokens, C + R], through its block-table row."""
     bs = cache.shape[1]
     n_blocks = (n_tokens + bs - 1) // bs
-    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:n_tokens]
+    return _rows(cache, block_table[:n_blocks].long()).flatten(0, 1)[:n_tokens]
 
 
 def mla_decode_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -56,7 +66,7 @@ def mla_decode_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         return out
     bs = cache.shape[1]
     n_blocks = (max(lens) + bs - 1) // bs
-    kv = cache[block_tables[:, :n_blocks].long()].flatten(1, 2).float()  # [B, S, C + R]
+    kv = _rows(cache, block_tables[:, :n_blocks].long()).flatten(1, 2).float()  # [B, S, C + R]
     key_pos = torch.arange(kv.shape[1], device=q_lat.device)
     mask = key_pos[None, :] < torch.tensor(lens, device=q_lat.device)[:, None]  # [B, S]
     kv = kv.masked_fill(~mask[..., None], 0.0)  # rows past a sequence may hold anything (stale, other data)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.triton_attention import to_cache
+
 _LOG2E = 1.4426950408889634
 
 
@@ -32,8 +34,8 @@ def _store_latent_kernel(lat_ptr, pe_ptr, cache_ptr, slot_ptr, stride_lat, strid
     lat = tl.load(lat_ptr + t * stride_lat + c, mask=c < C)
     pe = tl.load(pe_ptr + t * stride_pe + r, mask=r < R)
     dst = cache_ptr + slot * stride_row
-    tl.store(dst + c, lat.to(cache_ptr.dtype.element_ty), mask=c < C)
-    tl.store(dst + C + r, pe.to(cache_ptr.dtype.element_ty), mask=r < R)
+    tl.store(dst + c, to_cache(lat, cache_ptr), mask=c < C)
+    tl.store(dst + C + r, to_cache(pe, cache_ptr), mask=r < R)
 
 
 def store_latent_triton(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
@@ -81,10 +83,11 @@ def _mla_decode_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, bt_ptr, lens_ptr, p
         kmask = pos < end
         block = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=kmask, other=0).to(tl.int64)
         row = cache_ptr + (block * PAGE + pos % PAGE) * stride_row
-        lat = tl.load(row[:, None] + c[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        pe = tl.load(row[:, None] + C + r[None, :], mask=kmask[:, None] & rmask[None, :], other=0.0)
-        s = tl.dot(q_lat, tl.trans(lat).to(q_lat.dtype), input_precision=DOT_PREC)
-        s += tl.dot(q_pe, tl.trans(pe).to(q_pe.dtype), input_precision=DOT_PREC)
+        # An FP8 cache widens to the query's dtype here (in registers).
+        lat = tl.load(row[:, None] + c[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0).to(q_lat.dtype)
+        pe = tl.load(row[:, None] + C + r[None, :], mask=kmask[:, None] & rmask[None, :], other=0.0).to(q_pe.dtype)
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PREC)
+        s += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PREC)
         s = tl.where(kmask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)

@@ -87,3 +87,31 @@ def test_store_latent_matches_reference_and_skips_padding():
         rest = torch.ones(flat.shape[0], dtype=torch.bool)
         rest[written] = False
         assert flat[rest].isnan().all(), "a slot outside slot_mapping was written"
+
+
+def test_fp8_latent_cache_store_and_decode():
+    """An e4m3 cache: the store saturates like the reference's (+-448, not NaN), the decode widens it and
+    matches the reference on the same FP8 contents."""
+    from lamina.kernels.triton_mla_decode import mla_decode_triton, store_latent_triton
+
+    g = torch.Generator().manual_seed(11)
+    c, r, page, blocks = 32, 16, 4, 8
+    t = blocks * page
+    latent, k_pe = torch.randn(t, c, generator=g) * 3, torch.randn(t, r, generator=g)
+    latent[0, :4] = torch.tensor([1000.0, -1000.0, 448.0, 0.5])
+    slots = torch.randperm(t, generator=g)
+    ref = torch.zeros(blocks, page, c + r, dtype=torch.float8_e4m3fn)
+    store_latent_ref(latent, k_pe, ref, slots)
+    cache = torch.zeros(blocks, page, c + r, dtype=torch.float8_e4m3fn, device=DEV)
+    store_latent_triton(latent.to(DEV), k_pe.to(DEV), cache, slots.to(DEV))
+    from test_fp8_kv import assert_fp8_close  # equal on a GPU; the interpreter's fp8 cast is let off by a step
+
+    assert_fp8_close(cache, ref, slots)
+    cache.copy_(ref.to(DEV))  # decode on the reference's exact contents
+    tables = torch.arange(blocks, dtype=torch.int32).view(2, 4).to(DEV)
+    lens = torch.tensor([13, 16], dtype=torch.int32, device=DEV)
+    q_lat = torch.randn(2, 4, c, generator=g).half().to(DEV)
+    q_pe = torch.randn(2, 4, r, generator=g).half().to(DEV)
+    out = mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.1, 16, splits=2)
+    expect = mla_decode_ref(q_lat.float().cpu(), q_pe.float().cpu(), ref, tables.cpu(), lens.cpu(), 0.1)
+    assert rel_err(out, expect) <= TOL[torch.float16]

@@ -84,7 +84,8 @@ class LatentAttention(nn.Module):
         """Also derives the absorbed weights and the rope permutation on the cache's device: the engine binds
         after loading and before any forward, so a CUDA-graph capture never has to build them."""
         self._cache = view
-        like = torch.empty(0, dtype=view.kv.dtype, device=view.kv.device)
+        # the compute dtype (a norm weight's: the cache may be FP8, the projections quantized)
+        like = torch.empty(0, dtype=self.kv_a_layernorm.weight.dtype, device=view.kv.device)
         self._absorbed_weights(like)
         self._rope_index(like.device)
 
