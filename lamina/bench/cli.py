@@ -124,6 +124,11 @@ def prefill_flops(model, cfg, n: int) -> float:
     linear = 2 * (n * (active_params_per_token(model) - lm_head) + lm_head)
     n_attn = sum(1 for spec in cfg.layers if spec.mixer in KV_MIXERS)
     attention = n_attn * 2 * 2 * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+    if cfg.mla is not None:  # MLA (expanded prefill): QK^T over nope + rope dims, PV over v_head_dim
+        m = cfg.mla
+        n_mla = sum(1 for spec in cfg.layers if spec.mixer == "mla")
+        width = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
+        attention += n_mla * 2 * cfg.num_heads * width * n * (n + 1) / 2
     return linear + attention
 
 

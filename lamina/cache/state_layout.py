@@ -16,6 +16,7 @@ from lamina.cache.specs import (
     BLOCK_SPECS,
     BlockSpec,
     FullAttentionSpec,
+    LatentAttentionSpec,
     RecurrentStateSpec,
     SlotSpec,
     Stateful,
@@ -42,7 +43,7 @@ class StateLayout:
             spec = layer.state_spec(dtype)
             if spec is None:
                 continue
-            if kv_dtype is not None and isinstance(spec, FullAttentionSpec):
+            if kv_dtype is not None and isinstance(spec, (FullAttentionSpec, LatentAttentionSpec)):
                 spec = dataclasses.replace(spec, dtype=kv_dtype)
             if isinstance(spec, BLOCK_SPECS):
                 out.kv_layers.append(layer)

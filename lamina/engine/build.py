@@ -136,8 +136,11 @@ def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: in
     from lamina.engine.cuda_graph import CudaGraphRunner
 
     pad = state_pool.padding_slot if state_pool is not None else None
+    # A layer whose prefill plans from host query lengths (MLA's expanded form) says mixed_graphs = False:
+    # such models replay decode graphs only.
+    mixed = None if all(getattr(m, "mixed_graphs", True) for m in model.modules()) else False
     graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad,
-                             config.max_num_batched_tokens)
+                             config.max_num_batched_tokens, mixed=mixed)
     graphs.capture()
     return graphs
 

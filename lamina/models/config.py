@@ -11,7 +11,8 @@ class LayerSpec:
 
     mixer: "attention" (full or sliding), "gated_attention" (Qwen3-Next: sigmoid output gate from a doubled
     q_proj), "gated_delta_net" (linear attention with conv + recurrent state in the state pool), "mamba2"
-    (Mamba-2 SSD mixer, numbers in ModelConfig.mamba2), "none" (an FFN-only layer of a single-sublayer model);
+    (Mamba-2 SSD mixer, numbers in ModelConfig.mamba2), "mla" (multi-head latent attention over a paged latent
+    cache; numbers in ModelConfig.mla), "none" (an FFN-only layer of a single-sublayer model);
     ffn: "dense" or "moe" (numbers in ModelConfig.moe), "plain" (up -> activation -> down, no gate: Nemotron-H's
     relu2 MLP), "relu2_moe" (Nemotron-H's MoE, numbers in ModelConfig.relu2_moe), "none" (a mixer-only layer of
     a single-sublayer model)."""
@@ -90,12 +91,35 @@ class Relu2MoESpec:
 
 
 @dataclass
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3; layers/mla.py): q through a low-rank q_a/q_b pair
+    (q_lora_rank) or one q_proj (None); K/V compressed per token into a kv_lora_rank latent plus one shared
+    qk_rope_head_dim rope key, which is all the cache keeps. rope_interleave: the rope dims come in (even,
+    odd) pairs (V2 always; V3's default) rather than as two halves."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+
+@dataclass
 class MoESpec:
     num_experts: int
     top_k: int
     intermediate_size: int  # per expert
     renormalize: bool  # HF norm_topk_prob: rescale the top-k weights to sum to 1
     shared_intermediate_size: int = 0  # 0: no shared expert; else one, scaled by a sigmoid gate
+    # DeepSeek-V2/V3 routing (layers/moe_routing.py): topk_method "greedy" | "group_limited_greedy" |
+    # "noaux_tc" selects the fp32 GroupedTopKRouter; None: the softmax top-k router above (Qwen).
+    topk_method: str | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # DeepSeek's ungated shared experts (mlp.shared_experts: one MLP of this width, always added); 0: none.
+    shared_experts_intermediate_size: int = 0
 
 
 @dataclass
@@ -136,6 +160,7 @@ class ModelConfig:
     # residual, instead of norm -> mixer -> norm -> FFN (layers/single_block.py).
     single_sublayer: bool = False
     moe: MoESpec | None = None
+    mla: MLASpec | None = None
     # config.json's quantization_config as written (models/quantization.py chooses the weight formats from it).
     quantization_config: dict[str, Any] | None = None
 

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lamina.models.config import ModelConfig
-from lamina.models.families import bamba, common, gemma, llama, nemotron_h, qwen3_moe, qwen3_next
+from lamina.models.families import bamba, common, deepseek, gemma, llama, nemotron_h, qwen3_moe, qwen3_next
 from lamina.models.weights import CheckpointMap
 
 _FAMILIES = {arch: (fam, llama.config_from_hf) for arch, fam in llama.ARCHITECTURES.items()}
@@ -14,11 +14,13 @@ _FAMILIES.update({arch: (fam, qwen3_next.config_from_hf) for arch, fam in qwen3_
 _FAMILIES.update({arch: (fam, gemma.config_from_hf) for arch, fam in gemma.ARCHITECTURES.items()})
 _FAMILIES.update({arch: (fam, nemotron_h.config_from_hf) for arch, fam in nemotron_h.ARCHITECTURES.items()})
 _FAMILIES.update({arch: (fam, bamba.config_from_hf) for arch, fam in bamba.ARCHITECTURES.items()})
+_FAMILIES.update({arch: (fam, deepseek.config_from_hf) for arch, fam in deepseek.ARCHITECTURES.items()})
 # Families whose checkpoint names need more than families/common.py's HF rules: family -> (cfg -> map).
 _CHECKPOINT_MAPS: dict[str, Callable[[ModelConfig], CheckpointMap]] = {
     fam: qwen3_next.checkpoint_map for fam in set(qwen3_next.ARCHITECTURES.values())}
 _CHECKPOINT_MAPS.update({fam: gemma.checkpoint_map for fam in set(gemma.ARCHITECTURES.values())})
 _CHECKPOINT_MAPS.update({"nemotron_h": nemotron_h.checkpoint_map, "bamba": bamba.checkpoint_map})
+_CHECKPOINT_MAPS.update({fam: deepseek.checkpoint_map for fam in set(deepseek.ARCHITECTURES.values())})
 # GGUF architecture names -> HF architecture names.
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}

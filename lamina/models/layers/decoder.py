@@ -13,6 +13,7 @@ from lamina.models.layers.attention import Attention
 from lamina.models.layers.gated_attention import GatedAttention
 from lamina.models.layers.gated_delta_net import GatedDeltaNet
 from lamina.models.layers.mamba2 import Mamba2Mixer
+from lamina.models.layers.mla import LatentAttention
 from lamina.models.layers.mlp import GatedMLP
 from lamina.models.layers.moe import SparseMoE
 from lamina.models.layers.norm import RMSNorm
@@ -25,6 +26,8 @@ def build_mixer(cfg: ModelConfig, spec: LayerSpec, rope: RopeTable) -> nn.Module
         return Attention(cfg, spec, rope)
     if spec.mixer == "gated_attention":
         return GatedAttention(cfg, spec, rope)
+    if spec.mixer == "mla":
+        return LatentAttention(cfg, rope)
     if spec.mixer == "gated_delta_net":
         # Held as `self_attn` like every mixer (HF calls it linear_attn; the family maps the names).
         return GatedDeltaNet(cfg, spec)

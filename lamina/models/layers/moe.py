@@ -1,6 +1,9 @@
 """Sparse MoE feed-forward: router top-k over routed experts, plus an optional shared expert whose output is
 scaled by sigmoid(shared_expert_gate(x)) (Qwen3-Next, Qwen3.5-MoE). Names follow HF: mlp.gate (router),
-mlp.experts.gate_up_proj / down_proj (stacked), mlp.shared_expert.*, mlp.shared_expert_gate."""
+mlp.experts.gate_up_proj / down_proj (stacked), mlp.shared_expert.*, mlp.shared_expert_gate.
+
+DeepSeek-V2/V3 (MoESpec.topk_method set): the router is layers/moe_routing.py's GroupedTopKRouter (fp32,
+grouped top-k, routed_scaling_factor) and the shared experts are one ungated MLP, mlp.shared_experts.*."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +13,7 @@ from lamina.kernels.moe import select_experts
 from lamina.models.config import ModelConfig
 from lamina.models.layers.linear import Linear
 from lamina.models.layers.mlp import GatedMLP
+from lamina.models.layers.moe_routing import GroupedTopKRouter
 from lamina.models.weight_formats import DenseExperts, ExpertFormat
 from lamina.models.weight_formats.base import clear_params
 
@@ -49,7 +53,15 @@ class SparseMoE(nn.Module):
         if m is None:
             raise ValueError("an moe layer needs ModelConfig.moe")
         self.top_k, self.renormalize = m.top_k, m.renormalize
-        self.gate = Linear(cfg.hidden_size, m.num_experts, bias=False)
+        self.grouped = m.topk_method is not None
+        if self.grouped:
+            self.gate = GroupedTopKRouter(cfg.hidden_size, m.num_experts, m.top_k, m.topk_method, m.n_group,
+                                          m.topk_group, m.renormalize, m.routed_scaling_factor)
+        else:
+            self.gate = Linear(cfg.hidden_size, m.num_experts, bias=False)
+        self.shared_experts: GatedMLP | None = None
+        if m.shared_experts_intermediate_size:
+            self.shared_experts = GatedMLP(cfg.hidden_size, m.shared_experts_intermediate_size, cfg.hidden_act)
         self.experts = FusedExperts(m.num_experts, cfg.hidden_size, m.intermediate_size)
         self.shared_expert: GatedMLP | None = None
         if m.shared_intermediate_size:
@@ -80,8 +92,13 @@ class SparseMoE(nn.Module):
         self.shared_fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
+        if self.grouped:
+            weights, ids = self.gate(x)
+        else:
+            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
         out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
