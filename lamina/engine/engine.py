@@ -352,6 +352,8 @@ class LLMEngine:
                 row0, nrows = int(batch.logits_start[i]), int(batch.num_logits[i])
                 prompt_logprobs_for_chunk(seq, logits[row0:row0 + nrows], seq.num_computed_tokens,
                                           seq.params.prompt_logprobs, self.detokenizer)
+        if self.spec is not None:  # a proposer drafting from the target's hidden states takes them here
+            self.spec.observe(scheduled, self.runner.last_hidden)
         return self._commit(scheduled, draws)
 
     def _commit(self, scheduled: list[ScheduledSeq], draws) -> InFlight:

@@ -48,6 +48,17 @@ class SpecDecoder:
                 and seq.token_ids[-1] != _PENDING and seq.num_output_tokens + 1 < seq.max_tokens
                 and not seq.needs_prompt_logprobs())
 
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether the proposer reads the target's backbone output (the runner then keeps it: keep_hidden)."""
+        return getattr(self.proposer, "needs_hidden_states", False)
+
+    def observe(self, scheduled: list, hidden) -> None:
+        """A launched step's backbone output [tokens, H] for a proposer that drafts from it (mtp), before the
+        step's bookkeeping moves the sequences' computed lengths on."""
+        if self.needs_hidden_states and hidden is not None:
+            self.proposer.observe(scheduled, hidden)
+
     def propose(self, running: list[Sequence]) -> None:
         """Leaves each eligible sequence's drafts in seq.draft_token_ids (the scheduler caps them)."""
         seqs = [s for s in running if self.wants_drafts(s)]

@@ -1,0 +1,244 @@
+"""mtp: the checkpoint's multi-token-prediction head (spec/mtp_head.py) drafts from the target's hidden states.
+
+The head's index i of a sequence stands at target position p = base + i and reads token p+1 and the target's
+hidden state at p; its KV lives in a pool of its own (a KVCache, a BlockAllocator and a ModelRunner, the same
+block design as the target's). `base` is the first position the target computed for this sequence, so a
+prefix-cache hit (positions the target never recomputes, hence no hidden states) starts the head's context
+there: RoPE is relative, so shifted positions attend exactly as real ones, and the head merely sees less
+context (drafts are guesses; acceptance stays lossless).
+
+Hidden states: the engine hands every step's backbone output to observe(); each sequence keeps the rows of
+positions the head has not consumed yet (rows of rejected drafts are dropped once the target rolls back).
+propose() first catches the head up to the sequence's last computed position T-2 (T known tokens): the last
+row of that pass reads token T-1 and h_{T-2} and its logits give draft 1. Draft j+1 reads draft j and the
+head's own output at the previous index. Only the catch-up is kept: the chained indices are rewritten with
+the target's hidden states once those exist. Drafts are greedy (one-hot q: spec/accept.py is exact).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lamina.cache.block_allocator import BlockAllocator
+from lamina.cache.kv_cache import KVCache
+from lamina.cache.state_layout import StateLayout
+from lamina.engine.request import SeqStatus, Sequence
+from lamina.engine.runner import ModelRunner
+from lamina.engine.scheduler import ScheduledSeq
+from lamina.spec.mtp_head import MTPHead, load_mtp_head, mtp_tensor_names
+
+if TYPE_CHECKING:
+    from lamina.engine.engine import LLMEngine
+
+
+class MTPSeq:
+    """What the head's runner reads of one target sequence, and the hidden rows it has not consumed yet."""
+
+    def __init__(self, target: Sequence, base: int) -> None:
+        self.target, self.seq_id, self.base = target, target.seq_id, base
+        self.token_ids: list[int] = []  # index i: the target's token base + i + 1 (as they become known)
+        self.num_computed_tokens = 0  # head indices whose KV is written for good
+        self.block_table: list[int] = []
+        self.draft_token_ids: list[int] = []
+        self.state_slot = None
+        self.wants_prompt_logprobs = False
+        self.status = SeqStatus.RUNNING
+        self._rows: list[torch.Tensor] = []  # pending target hidden states, positions hidden_start onwards
+        self._num_rows = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def needs_prompt_logprobs(self) -> bool:
+        return False
+
+    @property
+    def hidden_start(self) -> int:  # invariant: the position right after the last one the head consumed
+        return self.base + self.num_computed_tokens
+
+    @property
+    def hidden_end(self) -> int:
+        return self.hidden_start + self._num_rows
+
+    def keep_before(self, pos: int) -> None:
+        """Drops the pending rows (and, before hidden_start, the head's KV) of positions >= pos: the target
+        recomputes them (a rejected draft, a preempted sequence) or they were never valid."""
+        if pos < self.hidden_start:
+            self.num_computed_tokens = max(0, pos - self.base)
+            self._rows, self._num_rows = [], 0
+            return
+        keep = pos - self.hidden_start
+        if keep >= self._num_rows:
+            return
+        rows = self.take_rows()[:keep]
+        self._rows, self._num_rows = ([rows] if keep else []), keep
+
+    def push(self, rows: torch.Tensor) -> None:
+        self._rows.append(rows)
+        self._num_rows += rows.shape[0]
+
+    def take_rows(self) -> torch.Tensor:
+        """The pending rows as one tensor (they stay pending until the head's computed length moves on)."""
+        if len(self._rows) > 1:
+            self._rows = [torch.cat(self._rows)]
+        return self._rows[0]
+
+    def consumed(self, n: int) -> None:
+        """The head computed its next n indices from the first n pending rows."""
+        rows = self.take_rows()[n:]
+        self.num_computed_tokens += n
+        self._rows, self._num_rows = ([rows] if rows.shape[0] else []), rows.shape[0]
+
+
+class MTPProposer:
+    needs_hidden_states = True  # the engine's runner keeps each step's backbone output for observe()
+
+    def __init__(self, target: torch.nn.Module, head: MTPHead, kv: KVCache, block_size: int, device: torch.device,
+                 max_tokens_per_pass: int) -> None:
+        self.target, self.head, self.kv, self.block_size = target, head, kv, block_size
+        self.allocator = BlockAllocator(kv.num_blocks)
+        self.runner = ModelRunner(head, block_size, device)
+        self.max_tokens_per_pass = max_tokens_per_pass
+        self.seqs: dict[int, MTPSeq] = {}
+        self.keep_logits = False  # tests: last_logits[seq_id] = the draft logits [drafts, vocab] of the last proposal
+        self.last_logits: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def build(cls, engine: LLMEngine) -> MTPProposer:
+        if not mtp_tensor_names(engine.config.model):
+            raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with MTP weights (mtp.*); "
+                             f"{engine.config.model} has none")
+        from lamina.engine.build import kv_storage_dtype
+
+        target = engine.model
+        head = load_mtp_head(engine.config.model, engine.model_config, target.model.rope, engine.dtype, engine.device)
+        layout = StateLayout.collect([head.layers[0].self_attn], engine.dtype, kv_storage_dtype(engine.config))
+        # As many blocks as the target's pool: the head holds (at most) the same positions of the same sequences.
+        kv = KVCache(layout.kv_specs, engine.kv_cache.num_blocks, engine.config.block_size, engine.device)
+        layout.bind_kv(kv.views)
+        return cls(target, head, kv, engine.config.block_size, engine.device, engine.config.max_num_batched_tokens)
+
+    # ---- bookkeeping -----------------------------------------------------------------------------------
+    def _release(self, rec: MTPSeq) -> None:
+        self.allocator.free(rec.block_table[::-1])
+        rec.block_table = []
+        rec.status = SeqStatus.FINISHED  # its block-table row may be reclaimed
+        del self.seqs[rec.seq_id]
+
+    def _gc(self) -> None:
+        """Drops the head's state of sequences that finished or were preempted (their blocks go back)."""
+        for rec in [r for r in self.seqs.values() if r.target.status != SeqStatus.RUNNING]:
+            self._release(rec)
+
+    def _grow(self, rec: MTPSeq, upto: int) -> bool:
+        need = (upto + self.block_size - 1) // self.block_size - len(rec.block_table)
+        if need <= 0:
+            return True
+        if need > self.allocator.num_free:
+            return False
+        rec.block_table = rec.block_table + self.allocator.allocate(need)  # a new list: the runner resends it
+        return True
+
+    @torch.inference_mode()
+    def observe(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """A target step's backbone output [tokens, H] (rows in scheduled order), before the step commits:
+        each sequence's rows are its positions num_computed_tokens onwards."""
+        row = 0
+        for item in scheduled:
+            seq, n = item.seq, item.num_tokens
+            rows, row = hidden[row:row + n], row + n
+            if seq.finished or seq.status != SeqStatus.RUNNING:
+                continue
+            s = seq.num_computed_tokens
+            rec = self.seqs.get(seq.seq_id)
+            if rec is not None and (rec.target is not seq or s < rec.base or s > rec.hidden_end):
+                self._release(rec)  # out of step with the target (a gap or a restart before its base)
+                rec = None
+            if rec is None:
+                rec = self.seqs[seq.seq_id] = MTPSeq(seq, s)
+            rec.keep_before(s)
+            rec.push(rows.clone())  # a captured graph's output buffer is overwritten by the next replay
+
+    # ---- drafting --------------------------------------------------------------------------------------
+    def _pass(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> torch.Tensor:
+        """The head over items (one chunk per sequence); its output at each item's last row [items, H]."""
+        batch = self.runner.prepare(items)
+        embeds = self.target.model.embed_tokens(batch.input_ids)
+        out = self.head(embeds, hidden, batch.positions, batch.ctx)
+        return out.index_select(0, batch.logits_indices)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        self._gc()
+        drafts: list[list[int]] = [[] for _ in seqs]
+        self.last_logits = {}
+        work: list[tuple[int, MTPSeq, int]] = []  # (index, record, drafts wanted)
+        for i, seq in enumerate(seqs):
+            rec = self.seqs.get(seq.seq_id)
+            if rec is None:
+                continue
+            rec.keep_before(seq.num_computed_tokens)  # rows past it verified rejected drafts
+            if rec.hidden_end != seq.num_computed_tokens or rec.hidden_start >= rec.hidden_end:
+                continue  # no hidden state for its last computed position (not in step with the target)
+            rec.token_ids += seq.token_ids[rec.base + 1 + len(rec.token_ids):seq.num_tokens]
+            room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
+            if room > 0 and self._grow(rec, rec.num_tokens + room - 1):
+                work.append((i, rec, room))
+        if not work:
+            return drafts
+        out, logits = self._catch_up([rec for _, rec, _ in work])
+        known = {i: rec.num_tokens for i, rec, _ in work}
+        for (i, _, _), row in zip(work, logits.argmax(dim=-1).tolist()):
+            drafts[i].append(row)
+        per_seq = {i: [logits[j]] for j, (i, _, _) in enumerate(work)}
+        live = list(range(len(work)))
+        try:
+            for step in range(1, max(room for _, _, room in work)):
+                live = [j for j in live if work[j][2] > step]
+                items = []
+                for j in live:
+                    i, rec, _ = work[j]
+                    rec.token_ids.append(drafts[i][-1])  # read by this pass only (taken off below)
+                    items.append(ScheduledSeq(rec, 1, 1))
+                new = self._pass(items, out[live])
+                step_logits = self.target.compute_logits(new)
+                out[live] = new
+                for j, t, lg in zip(live, step_logits.argmax(dim=-1).tolist(), step_logits):
+                    drafts[work[j][0]].append(t)
+                    per_seq[work[j][0]].append(lg)
+                    work[j][1].num_computed_tokens += 1
+        finally:
+            for i, rec, _ in work:
+                del rec.token_ids[known[i]:]
+                rec.num_computed_tokens = known[i]  # the chained indices are redone from the target's states
+        if self.keep_logits:
+            self.last_logits = {seqs[i].seq_id: torch.stack(per_seq[i]) for i, _, _ in work}
+        return drafts
+
+    def _catch_up(self, recs: list[MTPSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs the head over each record's pending rows (in passes of at most max_tokens_per_pass tokens);
+        returns, per record, the head's output at its last index [R, H] and the logits there [R, vocab]."""
+        last: list[torch.Tensor | None] = [None] * len(recs)
+        todo = list(range(len(recs)))
+        while todo:
+            budget, items, rows, done, taken = self.max_tokens_per_pass, [], [], [], []
+            for r in todo:
+                rec = recs[r]
+                n = min(rec.num_tokens - rec.num_computed_tokens, budget)
+                if n <= 0:
+                    break
+                budget -= n
+                items.append(ScheduledSeq(rec, n, 1))
+                rows.append(rec.take_rows()[:n])
+                taken.append((r, n))
+            out = self._pass(items, torch.cat(rows) if len(rows) > 1 else rows[0])
+            for (r, n), o in zip(taken, out):
+                recs[r].consumed(n)
+                if recs[r].num_computed_tokens == recs[r].num_tokens:
+                    last[r] = o
+                    done.append(r)
+            todo = [r for r in todo if r not in done]
+        out = torch.stack(last)
+        return out, self.target.compute_logits(out)
