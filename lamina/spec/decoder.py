@@ -61,7 +61,12 @@ class SpecDecoder:
 
     def propose(self, running: list[Sequence]) -> None:
         """Leaves each eligible sequence's drafts in seq.draft_token_ids (the scheduler caps them)."""
-        seqs = [s for s in running if self.wants_drafts(s)]
+        seqs = []
+        for s in running:
+            if self.wants_drafts(s):
+                seqs.append(s)
+            else:
+                s.draft_token_ids = []  # never verify drafts proposed for an earlier step
         if not seqs:
             return
         for seq, drafts in zip(seqs, self.proposer.propose(seqs, self.k)):

@@ -68,8 +68,6 @@ class MTPOracle:
     layer (causal over the whole sequence, no cache) -> rms (1 + w_n) -> the target's lm_head."""
 
     def __init__(self, path: Path) -> None:
-        import transformers
-
         self.hf = hf_model(path)
         lm = self.hf.model.language_model if hasattr(self.hf.model, "language_model") else self.hf.model
         self.lm = lm
@@ -83,8 +81,8 @@ class MTPOracle:
         missing, unexpected = self.layer.load_state_dict(state, strict=False)
         assert not unexpected and all("inv_freq" in m for m in missing), (missing, unexpected)
         self.fc = tensors["mtp.fc.weight"].float()
-        self.w = {n: tensors[f"mtp.{n}.weight"].float() for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
-        del transformers
+        self.w = {n: tensors[f"mtp.{n}.weight"].float()
+                  for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
 
     def _rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
         x = x.float()
