@@ -55,6 +55,9 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] | None = None
     num_preemptions: int = 0  # sequences preempted (blocks freed, recomputed later), cumulative
+    # Speculation paused for low acceptance (spec/adaptive.py): sequences paused now, and pauses so far.
+    num_spec_paused: int = 0
+    num_spec_pauses: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -240,7 +243,9 @@ class LLMEngine:
                            self.num_step_failures, *((spec.num_drafts, spec.num_draft_tokens,
                                                       spec.num_accepted_tokens, list(spec.accepted_per_position))
                                                      if spec is not None else ()),
-                           num_preemptions=self.scheduler.num_preemptions)
+                           num_preemptions=self.scheduler.num_preemptions,
+                           num_spec_paused=self.spec.gate.num_paused if self.spec is not None else 0,
+                           num_spec_pauses=self.spec.gate.num_pauses if self.spec is not None else 0)
 
     # ---- the step -------------------------------------------------------------------------------
     num_step_failures = 0  # steps whose forward or sampling raised (each retried without its culprit)
@@ -413,7 +418,7 @@ class LLMEngine:
                         self.state_pool.copy_slot(seq.candidate_slots[a], seq.state_slot)
                     self.scheduler.free_candidates(seq)
                 if self.spec is not None:
-                    self.spec.stats.record(n - 1, a)
+                    self.spec.record(seq, n - 1, a)
                 self._accept(seq, idx, tokens, result, row0, now)
                 if not seq.finished:  # a prefix-cache snapshot only at an accepted position
                     self.scheduler.snapshot(seq)
