@@ -33,7 +33,7 @@ from lamina.engine.warmup import warm_up
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
 from lamina.spec.accept import accepted_on_device
-from lamina.spec.build import build_spec_decoder
+from lamina.spec.build import build_spec_decoder, load_spec_weights
 from lamina.structured.manager import StructuredOutputManager
 
 log = logging.getLogger("lamina")
@@ -72,9 +72,12 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config, self.tokenizer, self.model = load_model_and_tokenizer(config, self.dtype, self.device,
                                                                                  progress)
+        # A proposer's own weights (the mtp head) load now, so the KV pool's budget below sees them.
+        self.spec_weights = load_spec_weights(config.speculative_config, self)
         timer.phase("weights")
         # KV blocks, state slots and snapshots, sized from the state the layers declare and bound into them.
-        pools = build_pools(config, self.model, self.model_config, self.dtype, self.device, timer)
+        pools = build_pools(config, self.model, self.model_config, self.dtype, self.device, timer,
+                            getattr(self.spec_weights, "kv_layers", None))
         self.state_layout, self.kv_cache = pools.layout, pools.kv_cache
         self.state_pool, self.snapshots = pools.state_pool, pools.snapshots
         self.max_model_len = pools.max_model_len

@@ -40,6 +40,21 @@ def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> S
     raise ValueError(f"speculative_config: method {config.method!r} is not implemented in this build yet")
 
 
+def load_spec_weights(config: SpeculativeConfig | None, engine: LLMEngine):
+    """Weights a proposer keeps on the device, loaded before the KV pool is sized so that its budget sees them
+    (and refused, with one line, before anything is allocated): the mtp head (its `kv_layers` are budgeted in
+    the pool plan too). None for the other methods."""
+    if config is None or config.method != "mtp":
+        return None
+    if not has_mtp_weights(engine.config.model):
+        raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with MTP weights (mtp.*); "
+                         f"{engine.config.model} has none")
+    from lamina.spec.mtp_head import load_mtp_head
+
+    return load_mtp_head(engine.config.model, engine.model_config, engine.model.model.rope, engine.dtype,
+                         engine.device)
+
+
 def has_mtp_weights(model: str) -> bool:
     """Whether an HF checkpoint directory stores multi-token-prediction tensors (names under mtp.*)."""
     from lamina.spec.mtp_head import mtp_tensor_names

@@ -113,9 +113,13 @@ class MTPProposer:
         from lamina.engine.build import kv_storage_dtype
 
         target = engine.model
-        head = load_mtp_head(engine.config.model, engine.model_config, target.model.rope, engine.dtype, engine.device)
-        layout = StateLayout.collect([head.layers[0].self_attn], engine.dtype, kv_storage_dtype(engine.config))
-        # As many blocks as the target's pool: the head holds (at most) the same positions of the same sequences.
+        head = getattr(engine, "spec_weights", None)  # loaded before the KV pool was sized (spec/build.py)
+        if not isinstance(head, MTPHead):
+            head = load_mtp_head(engine.config.model, engine.model_config, target.model.rope, engine.dtype,
+                                 engine.device)
+        layout = StateLayout.collect(head.kv_layers, engine.dtype, kv_storage_dtype(engine.config))
+        # As many blocks as the target's pool (whose budget counted them): the head holds at most the same
+        # positions of the same sequences.
         kv = KVCache(layout.kv_specs, engine.kv_cache.num_blocks, engine.config.block_size, engine.device)
         layout.bind_kv(kv.views)
         return cls(target, head, kv, engine.config.block_size, engine.device, engine.config.max_num_batched_tokens)

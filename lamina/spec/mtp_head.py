@@ -44,6 +44,11 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, spec, rope)])
         self.norm = RMSNorm(h, eps, off)
 
+    @property
+    def kv_layers(self) -> list[nn.Module]:
+        """The layers whose KV the proposer keeps (budgeted with the target's pool: engine/build.py)."""
+        return [self.layers[0].self_attn]
+
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """embeds [T, H]: the target's embeddings of tokens t+1; hidden [T, H]: hidden states at t (the target's
         or, chained, this head's output). Returns this head's normalized output [T, H] (lm_head scores it)."""

@@ -52,8 +52,8 @@ def make_mtp_checkpoint(path: Path, family: str, tokenizer, seed: int = 0) -> Pa
 
 def _fuse_experts(state: dict) -> dict:
     """Per-expert checkpoint tensors -> HF's in-memory 3D stacks (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
-    n = len({k.split(".")[2] for k in state if k.startswith("mlp.experts.")})
-    if not n:
+    n = len({k.split(".")[2] for k in state if k.startswith("mlp.experts.") and k.split(".")[2].isdigit()})
+    if not n:  # none, or stored stacked already
         return state
     out = {k: v for k, v in state.items() if not k.startswith("mlp.experts.")}
     out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([state[f"mlp.experts.{e}.gate_proj.weight"],

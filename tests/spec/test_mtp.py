@@ -139,3 +139,22 @@ def test_mtp_refuses_more_than_one_layer(tmp_path):
     with pytest.raises(ValueError, match="one MTP layer") as e:
         check_mtp_names(["mtp.layers.0.mlp.up_proj.weight", "mtp.layers.1.mlp.up_proj.weight"])
     assert "\n" not in str(e.value)
+
+
+def test_mtp_qwen3_5_moe(tmp_path_factory, smol_tokenizer, one_thread):
+    """Qwen3.5-MoE: the head's MoE layer with its shared expert folded into the routed ones, as the model's."""
+    path = make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "qwen3_5_moe", "qwen3_5_moe", smol_tokenizer,
+                               seed=32)
+    ps = spec_prompts(3, seed=33)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = outputs(make(path), ps, params)
+    llm = make(path, speculative_config=MTP3)
+    rec = Recorder(llm.engine.spec.proposer, {tuple(p["prompt_token_ids"]): r for p, r in zip(ps, ref)})
+    assert outputs(llm, ps, params) == ref
+    oracle = MTPOracle(path)
+    assert len(rec.records) >= 6
+    for tokens, drafts, logits in rec.records:
+        want, want_logits = oracle.drafts(tokens, len(drafts))
+        torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=1e-4)
+        assert drafts == want
+    assert all_free(llm)
