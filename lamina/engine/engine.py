@@ -286,6 +286,8 @@ class LLMEngine:
         if launched is not None and launched.sync:
             self.in_flight = None
             self._resolve(launched, touched)
+        if self.spec is not None:  # a proposer's own state of sequences that ended this step goes back now
+            self.spec.after_step()
         if not touched and launched is None and self.scheduler.waiting and not self.scheduler.running:
             # Cannot happen while every admitted prompt fits the pool; fail loudly rather than spin.
             raise RuntimeError("scheduler made no progress with an empty running set")

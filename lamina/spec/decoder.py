@@ -67,6 +67,13 @@ class SpecDecoder:
         if self.needs_hidden_states and hidden is not None:
             self.proposer.observe(scheduled, hidden)
 
+    def after_step(self) -> None:
+        """After each engine step: a proposer with state of its own per sequence (mtp's KV blocks) returns that
+        of the sequences that finished or were preempted (its release_stale)."""
+        release = getattr(self.proposer, "release_stale", None)
+        if release is not None:
+            release()
+
     def propose(self, running: list[Sequence]) -> None:
         """Leaves each eligible sequence's drafts in seq.draft_token_ids (the scheduler caps them)."""
         seqs = []

@@ -131,7 +131,7 @@ class MTPProposer:
         rec.status = SeqStatus.FINISHED  # its block-table row may be reclaimed
         del self.seqs[rec.seq_id]
 
-    def _gc(self) -> None:
+    def release_stale(self) -> None:
         """Drops the head's state of sequences that finished or were preempted (their blocks go back)."""
         for rec in [r for r in self.seqs.values() if r.target.status != SeqStatus.RUNNING]:
             self._release(rec)
@@ -175,7 +175,7 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
-        self._gc()
+        self.release_stale()
         drafts: list[list[int]] = [[] for _ in seqs]
         self.last_logits = {}
         work: list[tuple[int, MTPSeq, int]] = []  # (index, record, drafts wanted)
