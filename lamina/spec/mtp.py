@@ -16,6 +16,7 @@ the target's hidden states once those exist. Drafts are greedy (one-hot q: spec/
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,8 @@ from lamina.spec.mtp_head import MTPHead, load_mtp_head, mtp_tensor_names
 
 if TYPE_CHECKING:
     from lamina.engine.engine import LLMEngine
+
+log = logging.getLogger("lamina")
 
 
 class MTPSeq:
@@ -122,6 +125,10 @@ class MTPProposer:
         # positions of the same sequences.
         kv = KVCache(layout.kv_specs, engine.kv_cache.num_blocks, engine.config.block_size, engine.device)
         layout.bind_kv(kv.views)
+        params = sum(p.numel() for p in head.parameters())
+        log.info("mtp: the checkpoint's MTP head (one %s layer, %.1fM parameters) drafts %d token(s); its KV pool: "
+                 "%d blocks (%.2f GiB)", "MoE" if head.config.layers[0].ffn == "moe" else "dense", params / 1e6,
+                 engine.config.speculative_config.num_speculative_tokens, kv.num_blocks, kv.nbytes / 2**30)
         return cls(target, head, kv, engine.config.block_size, engine.device, engine.config.max_num_batched_tokens)
 
     # ---- bookkeeping -----------------------------------------------------------------------------------

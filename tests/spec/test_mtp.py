@@ -107,6 +107,21 @@ def test_mtp_greedy_identical(mtp_model, scenario):
         assert all_free(llm)
 
 
+def test_mtp_fp8_kv_cache(mtp_model):
+    """--kv-cache-dtype fp8: the head's own pool is FP8 too; the target's outputs stay those of plain decoding
+    with the same cache dtype."""
+    family, path, ps, _ = mtp_model
+    if family != "qwen3_next":
+        pytest.skip("one family is enough")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = outputs(make(path, kv_cache_dtype="fp8"), ps, params)
+    llm = make(path, kv_cache_dtype="fp8", speculative_config=MTP3)
+    assert llm.engine.spec.proposer.kv.views[0].k.dtype == torch.float8_e4m3fn
+    assert outputs(llm, ps, params) == ref
+    assert llm.engine.stats().num_spec_draft_tokens > 0
+    assert all_free(llm)
+
+
 def test_mtp_partly_accepted_identical_with_preemption(mtp_model):
     family, path, ps, ref = mtp_model
     llm = make(path, speculative_config=MTP3, num_kv_blocks=40, max_num_batched_tokens=16)
