@@ -132,6 +132,29 @@ def test_mtp_partly_accepted_identical_with_preemption(mtp_model):
     assert all_free(llm)
 
 
+def test_mtp_abort_and_stop_mid_run(mtp_model):
+    """An abort and a stop string's finish in the middle of drafting: the others' outputs are unchanged, and
+    every lease (the head's blocks included) is back after the next step."""
+    family, path, ps, ref = mtp_model
+    llm = make(path, speculative_config=MTP3)
+    Recorder(llm.engine.spec.proposer, {tuple(p["prompt_token_ids"]): r for p, r in zip(ps, ref)})
+    eng = llm.engine
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, GREEDY64)
+    for _ in range(5):
+        eng.step()
+    assert eng.spec.proposer.seqs
+    eng.abort_request("0")
+    eng.finish_sample("1", 0, 3, "stop")
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {str(i): ref[i] for i in range(2, len(ps))}
+    assert all_free(llm)
+
+
 def test_mtp_seeded_sampling_reproducible(mtp_model):
     family, path, ps, _ = mtp_model
     params = [SamplingParams(temperature=0.9, top_k=50, seed=100 + i, max_tokens=24, ignore_eos=True)
