@@ -84,12 +84,9 @@ def step_peak_bytes(model: torch.nn.Module, layout: StateLayout, config: EngineC
                               device)
 
 
-def build_kv_cache(layout: StateLayout, config: EngineConfig, device: torch.device, peak: int,
-                   extra_bytes_per_block: int = 0) -> KVCache:
-    """The KV pool, sized from the layers' specs and the memory budget, bound into the layers.
-    extra_bytes_per_block: what a proposer's own pool of as many blocks takes per block (the mtp head's KV)."""
-    num_blocks = plan_kv_blocks(config, layout.kv_bytes_per_block(config.block_size) + extra_bytes_per_block,
-                                device, peak)
+def build_kv_cache(layout: StateLayout, config: EngineConfig, device: torch.device, peak: int) -> KVCache:
+    """The KV pool, sized from the layers' specs and the memory budget, bound into the layers."""
+    num_blocks = plan_kv_blocks(config, layout.kv_bytes_per_block(config.block_size), device, peak)
     kv = KVCache(layout.kv_specs, num_blocks, config.block_size, device)
     layout.bind_kv(kv.views)
     return kv
@@ -108,16 +105,16 @@ def kv_storage_dtype(config: EngineConfig) -> torch.dtype | None:
 
 def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
                 device: torch.device, timer: StartupTimer | None = None, extra_kv_layers: list | None = None) -> Pools:
-    """extra_kv_layers: layers of a proposer that keeps a KV pool of as many blocks (budgeted here, allocated by
-    the proposer)."""
-    layout = StateLayout.collect(model.state_layers(), dtype, kv_storage_dtype(config))
-    extra = StateLayout.collect(extra_kv_layers or [], dtype, kv_storage_dtype(config))
+    """extra_kv_layers: a proposer's attention layers that keep their KV in this pool, under the target's block
+    tables (the mtp head's): budgeted, allocated and bound with the model's."""
+    layout = StateLayout.collect(list(model.state_layers()) + list(extra_kv_layers or []), dtype,
+                                 kv_storage_dtype(config))
     state_pool = build_state_pool(layout, config, device)
     snapshots = build_snapshots(layout, state_pool, config, device)
     peak = step_peak_bytes(model, layout, config, device)
     if timer is not None and peak:
         timer.phase("profiling")
-    kv = build_kv_cache(layout, config, device, peak, extra.kv_bytes_per_block(config.block_size))
+    kv = build_kv_cache(layout, config, device, peak)
     if timer is not None:
         timer.phase("KV planning")
     pool_tokens = kv.num_blocks * config.block_size

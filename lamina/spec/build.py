@@ -42,8 +42,8 @@ def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> S
 
 def load_spec_weights(config: SpeculativeConfig | None, engine: LLMEngine):
     """Weights a proposer keeps on the device, loaded before the KV pool is sized so that its budget sees them
-    (and refused, with one line, before anything is allocated): the mtp head (its `kv_layers` are budgeted in
-    the pool plan too). None for the other methods."""
+    (and refused, with one line, before anything is allocated): the mtp head (its `kv_layers` become layers of
+    the target's KV pool). None for the other methods."""
     if config is None or config.method != "mtp":
         return None
     if not has_mtp_weights(engine.config.model):

@@ -1,18 +1,19 @@
 """mtp: the checkpoint's multi-token-prediction head (spec/mtp_head.py) drafts from the target's hidden states.
 
-The head's index i of a sequence stands at target position p = base + i and reads token p+1 and the target's
-hidden state at p; its KV lives in a pool of its own (a KVCache, a BlockAllocator and a ModelRunner, the same
-block design as the target's). `base` is the first position the target computed for this sequence, so a
-prefix-cache hit (positions the target never recomputes, hence no hidden states) starts the head's context
-there: RoPE is relative, so shifted positions attend exactly as real ones, and the head merely sees less
-context (drafts are guesses; acceptance stays lossless).
+The head's KV at position p reads token p+1 and the target's hidden state at p. Its one attention layer is a
+layer of the target's KV pool (engine/build.py budgets and binds it with the others), so it shares the
+target's block tables: preemption, trimming after rejections, and prefix-cache hits apply to it as to every
+target layer (a cached block carries the head's KV of its positions too; the head writes its last position
+one step after the target, so a sequence hitting a block in between reads stale values there, which costs
+draft quality, never correctness: drafts are only guesses).
 
 Hidden states: the engine hands every step's backbone output to observe(); each sequence keeps the rows of
 positions the head has not consumed yet (rows of rejected drafts are dropped once the target rolls back).
 propose() first catches the head up to the sequence's last computed position T-2 (T known tokens): the last
 row of that pass reads token T-1 and h_{T-2} and its logits give draft 1. Draft j+1 reads draft j and the
-head's own output at the previous index. Only the catch-up is kept: the chained indices are rewritten with
-the target's hidden states once those exist. Drafts are greedy (one-hot q: spec/accept.py is exact).
+head's own output at the previous position (T-2+j), written into the blocks the verify step then uses. Only
+the catch-up is kept: the verify step's positions are rewritten with the target's hidden states once those
+exist. Drafts are greedy (one-hot q: spec/accept.py is exact).
 """
 from __future__ import annotations
 
@@ -21,13 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lamina.cache.block_allocator import BlockAllocator
-from lamina.cache.kv_cache import KVCache
-from lamina.cache.state_layout import StateLayout
 from lamina.engine.request import SeqStatus, Sequence
 from lamina.engine.runner import ModelRunner
 from lamina.engine.scheduler import ScheduledSeq
-from lamina.spec.mtp_head import MTPHead, load_mtp_head, mtp_tensor_names
+from lamina.spec.mtp_head import MTPHead
 
 if TYPE_CHECKING:
     from lamina.engine.engine import LLMEngine
@@ -36,19 +34,23 @@ log = logging.getLogger("lamina")
 
 
 class MTPSeq:
-    """What the head's runner reads of one target sequence, and the hidden rows it has not consumed yet."""
+    """What the head's runner reads of one target sequence (its blocks are the target's), and the target hidden
+    rows the head has not consumed yet."""
 
-    def __init__(self, target: Sequence, base: int) -> None:
-        self.target, self.seq_id, self.base = target, target.seq_id, base
-        self.token_ids: list[int] = []  # index i: the target's token base + i + 1 (as they become known)
-        self.num_computed_tokens = 0  # head indices whose KV is written for good
-        self.block_table: list[int] = []
+    def __init__(self, target: Sequence, start: int) -> None:
+        self.target, self.seq_id = target, target.seq_id
+        self.token_ids: list[int] = []  # index p: the target's token p + 1 (as they become known)
+        self.num_computed_tokens = start  # the head's KV is written for positions below (or the cache holds it)
         self.draft_token_ids: list[int] = []
         self.state_slot = None
         self.wants_prompt_logprobs = False
         self.status = SeqStatus.RUNNING
         self._rows: list[torch.Tensor] = []  # pending target hidden states, positions hidden_start onwards
         self._num_rows = 0
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.target.block_table
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +61,7 @@ class MTPSeq:
 
     @property
     def hidden_start(self) -> int:  # invariant: the position right after the last one the head consumed
-        return self.base + self.num_computed_tokens
+        return self.num_computed_tokens
 
     @property
     def hidden_end(self) -> int:
@@ -69,7 +71,7 @@ class MTPSeq:
         """Drops the pending rows (and, before hidden_start, the head's KV) of positions >= pos: the target
         recomputes them (a rejected draft, a preempted sequence) or they were never valid."""
         if pos < self.hidden_start:
-            self.num_computed_tokens = max(0, pos - self.base)
+            self.num_computed_tokens = pos
             self._rows, self._num_rows = [], 0
             return
         keep = pos - self.hidden_start
@@ -98,10 +100,9 @@ class MTPSeq:
 class MTPProposer:
     needs_hidden_states = True  # the engine's runner keeps each step's backbone output for observe()
 
-    def __init__(self, target: torch.nn.Module, head: MTPHead, kv: KVCache, block_size: int, device: torch.device,
+    def __init__(self, target: torch.nn.Module, head: MTPHead, scheduler, block_size: int, device: torch.device,
                  max_tokens_per_pass: int) -> None:
-        self.target, self.head, self.kv, self.block_size = target, head, kv, block_size
-        self.allocator = BlockAllocator(kv.num_blocks)
+        self.target, self.head, self.scheduler = target, head, scheduler
         self.runner = ModelRunner(head, block_size, device)
         self.max_tokens_per_pass = max_tokens_per_pass
         self.seqs: dict[int, MTPSeq] = {}
@@ -110,47 +111,25 @@ class MTPProposer:
 
     @classmethod
     def build(cls, engine: LLMEngine) -> MTPProposer:
-        if not mtp_tensor_names(engine.config.model):
-            raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with MTP weights (mtp.*); "
-                             f"{engine.config.model} has none")
-        from lamina.engine.build import kv_storage_dtype
-
-        target = engine.model
-        head = getattr(engine, "spec_weights", None)  # loaded before the KV pool was sized (spec/build.py)
+        head = getattr(engine, "spec_weights", None)  # loaded, budgeted and bound with the pool (spec/build.py)
         if not isinstance(head, MTPHead):
-            head = load_mtp_head(engine.config.model, engine.model_config, target.model.rope, engine.dtype,
-                                 engine.device)
-        layout = StateLayout.collect(head.kv_layers, engine.dtype, kv_storage_dtype(engine.config))
-        # As many blocks as the target's pool (whose budget counted them): the head holds at most the same
-        # positions of the same sequences.
-        kv = KVCache(layout.kv_specs, engine.kv_cache.num_blocks, engine.config.block_size, engine.device)
-        layout.bind_kv(kv.views)
+            raise ValueError("speculative_config: method 'mtp': the MTP head was not loaded with the KV pool")
         params = sum(p.numel() for p in head.parameters())
-        log.info("mtp: the checkpoint's MTP head (one %s layer, %.1fM parameters) drafts %d token(s); its KV pool: "
-                 "%d blocks (%.2f GiB)", "MoE" if head.config.layers[0].ffn == "moe" else "dense", params / 1e6,
-                 engine.config.speculative_config.num_speculative_tokens, kv.num_blocks, kv.nbytes / 2**30)
-        return cls(target, head, kv, engine.config.block_size, engine.device, engine.config.max_num_batched_tokens)
+        log.info("mtp: the checkpoint's MTP head (one %s layer, %.1fM parameters) drafts %d token(s); its KV is "
+                 "one more layer of the pool", "MoE" if head.config.layers[0].ffn == "moe" else "dense",
+                 params / 1e6, engine.config.speculative_config.num_speculative_tokens)
+        return cls(engine.model, head, engine.scheduler, engine.config.block_size, engine.device,
+                   engine.config.max_num_batched_tokens)
 
     # ---- bookkeeping -----------------------------------------------------------------------------------
     def _release(self, rec: MTPSeq) -> None:
-        self.allocator.free(rec.block_table[::-1])
-        rec.block_table = []
-        rec.status = SeqStatus.FINISHED  # its block-table row may be reclaimed
+        rec.status = SeqStatus.FINISHED  # its row in the head's block-table mirror may be reclaimed
         del self.seqs[rec.seq_id]
 
     def release_stale(self) -> None:
-        """Drops the head's state of sequences that finished or were preempted (their blocks go back)."""
+        """Drops the head's records of sequences that finished or were preempted (their pending rows)."""
         for rec in [r for r in self.seqs.values() if r.target.status != SeqStatus.RUNNING]:
             self._release(rec)
-
-    def _grow(self, rec: MTPSeq, upto: int) -> bool:
-        need = (upto + self.block_size - 1) // self.block_size - len(rec.block_table)
-        if need <= 0:
-            return True
-        if need > self.allocator.num_free:
-            return False
-        rec.block_table = rec.block_table + self.allocator.allocate(need)  # a new list: the runner resends it
-        return True
 
     @torch.inference_mode()
     def observe(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
@@ -164,8 +143,8 @@ class MTPProposer:
                 continue
             s = seq.num_computed_tokens
             rec = self.seqs.get(seq.seq_id)
-            if rec is not None and (rec.target is not seq or s < rec.base or s > rec.hidden_end):
-                self._release(rec)  # out of step with the target (a gap or a restart before its base)
+            if rec is not None and (rec.target is not seq or s > rec.hidden_end):
+                self._release(rec)  # out of step with the target (positions it computed unobserved)
                 rec = None
             if rec is None:
                 rec = self.seqs[seq.seq_id] = MTPSeq(seq, s)
@@ -193,9 +172,10 @@ class MTPProposer:
             rec.keep_before(seq.num_computed_tokens)  # rows past it verified rejected drafts
             if rec.hidden_end != seq.num_computed_tokens or rec.hidden_start >= rec.hidden_end:
                 continue  # no hidden state for its last computed position (not in step with the target)
-            rec.token_ids += seq.token_ids[rec.base + 1 + len(rec.token_ids):seq.num_tokens]
+            rec.token_ids += seq.token_ids[1 + len(rec.token_ids):seq.num_tokens]
             room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
-            if room > 0 and self._grow(rec, rec.num_tokens + room - 1):
+            # Blocks for the chained positions, which the verify step then uses too (never by preempting).
+            if room > 0 and self.scheduler._grow(seq, 1 + room):
                 work.append((i, rec, room))
         if not work:
             return drafts
