@@ -147,6 +147,7 @@ def cmd_spec(args: argparse.Namespace, command: str) -> int:
         "mean_accepted_length": 1 + st.num_spec_accepted_tokens / max(1, st.num_spec_drafts),
         "accepted_per_position": [a / max(1, st.num_spec_drafts) for a in st.spec_accepted_per_position or []],
         "num_drafts": st.num_spec_drafts, "num_draft_tokens": st.num_spec_draft_tokens,
+        "num_pauses": st.num_spec_pauses,  # sequences whose drafting paused for low acceptance (spec/adaptive.py)
         "greedy_outputs_identical": spec_out == plain_out,
     })
     report(result, args.result_file)

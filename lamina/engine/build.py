@@ -104,8 +104,11 @@ def kv_storage_dtype(config: EngineConfig) -> torch.dtype | None:
 
 
 def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
-                device: torch.device, timer: StartupTimer | None = None) -> Pools:
-    layout = StateLayout.collect(model.state_layers(), dtype, kv_storage_dtype(config))
+                device: torch.device, timer: StartupTimer | None = None, extra_kv_layers: list | None = None) -> Pools:
+    """extra_kv_layers: a proposer's attention layers that keep their KV in this pool, under the target's block
+    tables (the mtp head's): budgeted, allocated and bound with the model's."""
+    layout = StateLayout.collect(list(model.state_layers()) + list(extra_kv_layers or []), dtype,
+                                 kv_storage_dtype(config))
     state_pool = build_state_pool(layout, config, device)
     snapshots = build_snapshots(layout, state_pool, config, device)
     peak = step_peak_bytes(model, layout, config, device)

@@ -33,7 +33,7 @@ from lamina.engine.warmup import warm_up
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.sampling_params import SamplingParams
 from lamina.spec.accept import accepted_on_device
-from lamina.spec.build import build_spec_decoder
+from lamina.spec.build import build_spec_decoder, load_spec_weights
 from lamina.structured.manager import StructuredOutputManager
 
 log = logging.getLogger("lamina")
@@ -55,6 +55,9 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] | None = None
     num_preemptions: int = 0  # sequences preempted (blocks freed, recomputed later), cumulative
+    # Speculation paused for low acceptance (spec/adaptive.py): sequences paused now, and pauses so far.
+    num_spec_paused: int = 0
+    num_spec_pauses: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -69,9 +72,12 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config, self.tokenizer, self.model = load_model_and_tokenizer(config, self.dtype, self.device,
                                                                                  progress)
+        # A proposer's own weights (the mtp head) load now, so the KV pool's budget below sees them.
+        self.spec_weights = load_spec_weights(config.speculative_config, self)
         timer.phase("weights")
         # KV blocks, state slots and snapshots, sized from the state the layers declare and bound into them.
-        pools = build_pools(config, self.model, self.model_config, self.dtype, self.device, timer)
+        pools = build_pools(config, self.model, self.model_config, self.dtype, self.device, timer,
+                            getattr(self.spec_weights, "kv_layers", None))
         self.state_layout, self.kv_cache = pools.layout, pools.kv_cache
         self.state_pool, self.snapshots = pools.state_pool, pools.snapshots
         self.max_model_len = pools.max_model_len
@@ -240,7 +246,9 @@ class LLMEngine:
                            self.num_step_failures, *((spec.num_drafts, spec.num_draft_tokens,
                                                       spec.num_accepted_tokens, list(spec.accepted_per_position))
                                                      if spec is not None else ()),
-                           num_preemptions=self.scheduler.num_preemptions)
+                           num_preemptions=self.scheduler.num_preemptions,
+                           num_spec_paused=self.spec.gate.num_paused if self.spec is not None else 0,
+                           num_spec_pauses=self.spec.gate.num_pauses if self.spec is not None else 0)
 
     # ---- the step -------------------------------------------------------------------------------
     num_step_failures = 0  # steps whose forward or sampling raised (each retried without its culprit)
@@ -278,6 +286,8 @@ class LLMEngine:
         if launched is not None and launched.sync:
             self.in_flight = None
             self._resolve(launched, touched)
+        if self.spec is not None:  # a proposer's own state of sequences that ended this step goes back now
+            self.spec.after_step()
         if not touched and launched is None and self.scheduler.waiting and not self.scheduler.running:
             # Cannot happen while every admitted prompt fits the pool; fail loudly rather than spin.
             raise RuntimeError("scheduler made no progress with an empty running set")
@@ -352,6 +362,8 @@ class LLMEngine:
                 row0, nrows = int(batch.logits_start[i]), int(batch.num_logits[i])
                 prompt_logprobs_for_chunk(seq, logits[row0:row0 + nrows], seq.num_computed_tokens,
                                           seq.params.prompt_logprobs, self.detokenizer)
+        if self.spec is not None:  # a proposer drafting from the target's hidden states takes them here
+            self.spec.observe(scheduled, self.runner.last_hidden)
         return self._commit(scheduled, draws)
 
     def _commit(self, scheduled: list[ScheduledSeq], draws) -> InFlight:
@@ -411,7 +423,7 @@ class LLMEngine:
                         self.state_pool.copy_slot(seq.candidate_slots[a], seq.state_slot)
                     self.scheduler.free_candidates(seq)
                 if self.spec is not None:
-                    self.spec.stats.record(n - 1, a)
+                    self.spec.record(seq, n - 1, a)
                 self._accept(seq, idx, tokens, result, row0, now)
                 if not seq.finished:  # a prefix-cache snapshot only at an accepted position
                     self.scheduler.snapshot(seq)

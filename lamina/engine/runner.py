@@ -78,6 +78,10 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device) -> None:
         self.model, self.block_size, self.device = model, block_size, device
         self.graphs = None  # a CudaGraphRunner once decode graphs are captured
+        # A proposer that drafts from the target's hidden states (mtp) sets keep_hidden: execute() then leaves
+        # the step's backbone output [tokens, H] in last_hidden (valid until the next execute).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.staging = StepStaging(device)
         self.tables = BlockTables(device)
         # The torch reference attention gets its per-step plan built once here, for the model's windows.
@@ -207,5 +211,11 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] in fp32."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            logits = self.graphs.run(batch)
+            if self.keep_hidden:  # the graph's static buffer: its first rows are this batch's tokens
+                self.last_hidden = self.graphs.hidden[:batch.input_ids.shape[0]]
+            return logits
+        if self.keep_hidden:
+            self.last_hidden = self.model.hidden_states(batch.input_ids, batch.positions, batch.ctx)
+            return self.model.compute_logits(self.last_hidden.index_select(0, batch.logits_indices))
         return self.model(batch.input_ids, batch.positions, batch.ctx, batch.logits_indices)

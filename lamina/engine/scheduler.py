@@ -95,6 +95,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.release(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []  # proposed for this step: stale once it resumes (its chunks would verify them)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -84,7 +84,15 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     reads only device tensors (graph-safe); the reference the host lists. state None: zero state."""
     if state is None:
         conv_states = None
-    if use_triton(x) and (state is None or state.candidate_slots_cpu is None):  # verify steps: the reference
+    # Verify steps keep the state after every draft position: the Triton verify path when the step holds only
+    # verify chunks and single tokens (the device candidate table exists), else the reference.
+    if use_triton(x) and state is not None and state.candidate_slots is not None and conv_states is not None:
+        from lamina.kernels.triton_conv1d_verify import causal_conv1d_verify_triton
+
+        return causal_conv1d_verify_triton(x, weight, bias, conv_states, attn.query_start, state.slots,
+                                           state.candidate_slots, state.has_initial_state, attn.max_query_len,
+                                           activation)
+    if use_triton(x) and (state is None or state.candidate_slots_cpu is None):
         from lamina.kernels.triton_conv1d import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(x, weight, bias, conv_states, attn.query_start,

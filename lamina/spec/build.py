@@ -2,8 +2,6 @@
 engine and model cannot do."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lamina.spec.config import SpeculativeConfig
@@ -17,7 +15,7 @@ if TYPE_CHECKING:
 def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> SpecDecoder | None:
     if config is None:
         return None
-    if config.method == "mtp" and not has_mtp_weights(engine.config.model):
+    if config.method == "mtp" and not has_mtp_weights(engine.config.model):  # before any weight is read
         raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with MTP weights (mtp.*); "
                          f"{engine.config.model} has none")
     if engine.state_pool is not None and config.method == "self_spec":
@@ -33,22 +31,32 @@ def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> S
         from lamina.spec.draft_model import DraftModelProposer
 
         return SpecDecoder(config, DraftModelProposer.build(engine, config.model))
+    if config.method == "mtp":
+        from lamina.spec.mtp import MTPProposer
+
+        decoder = SpecDecoder(config, MTPProposer.build(engine))
+        engine.runner.keep_hidden = True  # the head reads the target's hidden states (SpecDecoder.observe)
+        return decoder
     raise ValueError(f"speculative_config: method {config.method!r} is not implemented in this build yet")
+
+
+def load_spec_weights(config: SpeculativeConfig | None, engine: LLMEngine):
+    """Weights a proposer keeps on the device, loaded before the KV pool is sized so that its budget sees them
+    (and refused, with one line, before anything is allocated): the mtp head (its `kv_layers` become layers of
+    the target's KV pool). None for the other methods."""
+    if config is None or config.method != "mtp":
+        return None
+    if not has_mtp_weights(engine.config.model):
+        raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with MTP weights (mtp.*); "
+                         f"{engine.config.model} has none")
+    from lamina.spec.mtp_head import load_mtp_head
+
+    return load_mtp_head(engine.config.model, engine.model_config, engine.model.model.rope, engine.dtype,
+                         engine.device)
 
 
 def has_mtp_weights(model: str) -> bool:
     """Whether an HF checkpoint directory stores multi-token-prediction tensors (names under mtp.*)."""
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        return False  # GGUF files, built-in names and random presets carry none
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = json.loads(index.read_text())["weight_map"]
-    else:
-        from safetensors import safe_open
+    from lamina.spec.mtp_head import mtp_tensor_names
 
-        names = []
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                names += list(f.keys())
-    return any(n.startswith(("mtp.", "model.mtp.")) for n in names)
+    return bool(mtp_tensor_names(model))

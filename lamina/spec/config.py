@@ -18,6 +18,9 @@ _OPTIONS = {
     "draft_model": {"model"},
     "mtp": set(),
 }
+# Options of every method (lamina's own: vLLM has no such gate): drafting pauses per sequence while its
+# acceptance average stays below min_acceptance_rate (0: never), probed again after probe_interval steps.
+_GATE = {"min_acceptance_rate", "probe_interval"}
 
 
 @dataclass(frozen=True)
@@ -28,10 +31,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest (tried first)
     skip_layers: tuple[int, ...] | None = None  # self_spec: layer indices the drafter skips (None: the default)
     model: str | None = None  # draft_model: the drafter's checkpoint (same tokenizer and vocabulary)
+    min_acceptance_rate: float = 0.1  # spec/adaptive.py: pause a sequence's drafting below this (0: never)
+    probe_interval: int = 64  # decode steps a paused sequence runs without drafts before drafting again
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        for name in sorted(_OPTIONS[self.method]):
+        for name in sorted(_OPTIONS[self.method] | _GATE):
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -61,18 +66,22 @@ def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | Non
         method = "draft_model"  # vLLM infers the method from a draft model's name
     if method not in METHODS:
         raise ValueError(f"speculative_config: unknown method {method!r} (choose from {', '.join(METHODS)})")
-    unknown = set(raw) - {"method", "num_speculative_tokens"} - _OPTIONS[method]
+    unknown = set(raw) - {"method", "num_speculative_tokens"} - _OPTIONS[method] - _GATE
     if unknown:
         raise ValueError(f"speculative_config: method {method!r} takes no option(s) {', '.join(sorted(unknown))}")
     if "num_speculative_tokens" not in raw:
         raise ValueError("speculative_config: num_speculative_tokens is required")
     k = _int(raw, "num_speculative_tokens", 0, 1)
+    rate = raw.get("min_acceptance_rate", 0.1)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+        raise ValueError(f"speculative_config: min_acceptance_rate must be a number in [0, 1], got {rate!r}")
+    gate = {"min_acceptance_rate": float(rate), "probe_interval": _int(raw, "probe_interval", 64, 1)}
     if method == "ngram":
         lo = _int(raw, "prompt_lookup_min", 1, 1)
         hi = _int(raw, "prompt_lookup_max", max(lo, 4), 1)
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min {lo} > prompt_lookup_max {hi}")
-        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, **gate)
     if method == "self_spec":
         skip = raw.get("skip_layers")
         if skip is not None:
@@ -80,10 +89,10 @@ def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | Non
                                                      for i in skip):
                 raise ValueError(f"speculative_config: skip_layers must be a list of layer indices, got {skip!r}")
             skip = tuple(sorted(set(skip)))
-        return SpeculativeConfig(method, k, skip_layers=skip)
+        return SpeculativeConfig(method, k, skip_layers=skip, **gate)
     if method == "draft_model":
         model = raw.get("model")
         if not isinstance(model, str) or not model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the drafter's checkpoint)")
-        return SpeculativeConfig(method, k, model=model)
-    return SpeculativeConfig(method, k)
+        return SpeculativeConfig(method, k, model=model, **gate)
+    return SpeculativeConfig(method, k, **gate)

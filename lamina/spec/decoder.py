@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lamina.engine.request import SeqStatus, Sequence
+from lamina.spec.adaptive import AcceptanceGate, GateSettings
 from lamina.spec.config import SpeculativeConfig
 from lamina.spec.proposer import Proposer
 
@@ -39,6 +40,13 @@ class SpecDecoder:
         self.config, self.proposer = config, proposer
         self.k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
+        # Pauses a sequence's drafting while its acceptance stays low (spec/adaptive.py).
+        self.gate = AcceptanceGate(GateSettings(config.min_acceptance_rate, config.probe_interval))
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """A verify step of `seq` read back: num_accepted of its num_drafts drafts stood."""
+        self.stats.record(num_drafts, num_accepted)
+        self.gate.record(seq.seq_id, num_drafts, num_accepted)
 
     @staticmethod
     def wants_drafts(seq: Sequence) -> bool:
@@ -48,9 +56,34 @@ class SpecDecoder:
                 and seq.token_ids[-1] != _PENDING and seq.num_output_tokens + 1 < seq.max_tokens
                 and not seq.needs_prompt_logprobs())
 
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether the proposer reads the target's backbone output (the runner then keeps it: keep_hidden)."""
+        return getattr(self.proposer, "needs_hidden_states", False)
+
+    def observe(self, scheduled: list, hidden) -> None:
+        """A launched step's backbone output [tokens, H] for a proposer that drafts from it (mtp), before the
+        step's bookkeeping moves the sequences' computed lengths on."""
+        if self.needs_hidden_states and hidden is not None:
+            self.proposer.observe(scheduled, hidden)
+
+    def after_step(self) -> None:
+        """After each engine step: a proposer with state of its own per sequence (mtp's KV blocks) returns that
+        of the sequences that finished or were preempted (its release_stale)."""
+        release = getattr(self.proposer, "release_stale", None)
+        if release is not None:
+            release()
+
     def propose(self, running: list[Sequence]) -> None:
         """Leaves each eligible sequence's drafts in seq.draft_token_ids (the scheduler caps them)."""
-        seqs = [s for s in running if self.wants_drafts(s)]
+        seqs = []
+        for s in running:
+            s.draft_token_ids = []  # never verify drafts proposed for an earlier step
+            if self.wants_drafts(s):
+                seqs.append(s)
+        if seqs and self.gate.enabled:
+            allowed = self.gate.allow([s.seq_id for s in seqs], {s.seq_id for s in running})
+            seqs = [s for s, ok in zip(seqs, allowed) if ok]
         if not seqs:
             return
         for seq, drafts in zip(seqs, self.proposer.propose(seqs, self.k)):

@@ -13,6 +13,10 @@ from lamina.engine.request import Sequence
 
 
 class Proposer(Protocol):
+    """A proposer may also set `needs_hidden_states = True` and implement observe(scheduled, hidden): it is
+    then handed every target step's backbone output [tokens, H] (rows in the step's scheduled order), before
+    the step commits (spec/mtp.py)."""
+
     def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
         """Per sequence (same order), its draft tokens: a list of at most k token ids."""
         ...

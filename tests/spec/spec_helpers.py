@@ -54,9 +54,12 @@ class OracleProposer:
         return drafts
 
 
-def with_proposer(llm: LLM, proposer, k: int) -> LLM:
-    llm.engine.spec = SpecDecoder(parse_speculative_config({"method": "ngram", "num_speculative_tokens": k}),
-                                  proposer)
+def with_proposer(llm: LLM, proposer, k: int, min_acceptance_rate: float = 0.0) -> LLM:
+    """Installs a forced proposer; drafting is never paused for low acceptance unless asked (these tests count
+    every verify step of drafts forced wrong)."""
+    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
+                                    "min_acceptance_rate": min_acceptance_rate})
+    llm.engine.spec = SpecDecoder(cfg, proposer)
     return llm
 
 

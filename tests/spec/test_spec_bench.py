@@ -26,6 +26,7 @@ def test_latency_replay(tmp_path, p, one_thread):
         assert r["accepted_per_position"][0] == 1.0
     else:
         assert r["acceptance_rate"] == 0.0 and r["mean_accepted_length"] == 1.0
+        assert r["num_pauses"] >= 1  # the drafts never stand: drafting pauses (spec/adaptive.py)
 
 
 def test_throughput_with_text_prompts(tmp_path, checkpoints, one_thread):

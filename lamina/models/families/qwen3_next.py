@@ -10,7 +10,8 @@ Checkpoint names, as transformers lays them out:
   - the mixer of a GDN layer is `linear_attn` in HF and `self_attn` here (every mixer is `self_attn` in the
     one loop);
   - Qwen3.5 multimodal checkpoints (…ForConditionalGeneration) keep the LM under model.language_model.* and
-    carry a vision tower (model.visual.*); a multi-token-prediction head (mtp.*) may ride along: skipped;
+    carry a vision tower (model.visual.*); a multi-token-prediction head (mtp.*) may ride along: skipped
+    here, loaded by the `mtp` proposer through mtp_checkpoint_map (lamina/spec/mtp_head.py);
   - Qwen3-Next fuses the GDN input projections as in_proj_qkvz / in_proj_ba, grouped per key head
     ([q_g | k_g | v_g | z_g] for each of the Hk groups); they are split into Qwen3.5's flat
     in_proj_qkv / in_proj_z / in_proj_b / in_proj_a layout here, i.e. straight into the qkv | z | b | a
@@ -132,5 +133,18 @@ def checkpoint_map(cfg: ModelConfig) -> CheckpointMap:
             param = name[: -len("_ba.weight")] + ".weight"
             return [(Target(param, "b"), b), (Target(param, "a"), a)]
         return hf_targets(name, tensor)
+
+    return targets
+
+
+def mtp_checkpoint_map(cfg: ModelConfig) -> CheckpointMap:
+    """The multi-token-prediction head's tensors (mtp.* / model.mtp.*) -> MTPHead's parameters (the prefix
+    dropped; its layer is named like a decoder layer). Every other tensor is skipped."""
+
+    def targets(name: str, tensor: torch.Tensor) -> Iterable[tuple[Target, torch.Tensor]]:
+        for prefix in ("mtp.", "model.mtp."):
+            if name.startswith(prefix):
+                return hf_targets(name[len(prefix):], tensor)
+        return []
 
     return targets

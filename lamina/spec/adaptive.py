@@ -1,0 +1,96 @@
+"""Speculation that pays for itself: each sequence's drafting pauses while its measured acceptance stays low,
+and is probed again later.
+
+Per sequence, an exponentially weighted moving average of accepted / proposed drafts over its verify steps
+(weight `alpha` for the newest). Once it has at least `min_verifies` verify steps and the average is below
+`min_acceptance_rate`, the sequence decodes plainly for `probe_interval` decode steps (no proposal, no
+verify: a wrong drafter then costs nothing); after that it drafts again from a fresh average, so a text that
+became predictable (a quoted passage, code being repeated) gets speculation back. Output never changes:
+drafts are only ever guesses. Sequences not running any more are forgotten (a preempted one starts afresh).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("lamina")
+
+
+@dataclass
+class GateSettings:
+    min_acceptance_rate: float = 0.1  # 0 turns the gate off
+    probe_interval: int = 64  # decode steps a paused sequence runs without drafts
+    min_verifies: int = 4  # verify steps before the average may pause a sequence
+    alpha: float = 0.3  # weight of the newest verify step in the average
+
+
+@dataclass
+class _SeqGate:
+    ewma: float | None = None
+    verifies: int = 0
+    paused_for: int = 0  # decode steps left without drafts
+
+
+class AcceptanceGate:
+    LOG_EVERY_S = 10.0  # pauses and probes are summed into one log line at most this often
+
+    def __init__(self, settings: GateSettings) -> None:
+        self.settings = settings
+        self._seqs: dict[int, _SeqGate] = {}
+        self.num_pauses = 0  # cumulative: times a sequence's drafting was paused
+        self.num_probes = 0  # cumulative: paused sequences that drafted again
+        self._logged = (0, 0, float("-inf"))  # (pauses, probes, when) of the last log line
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.min_acceptance_rate > 0
+
+    @property
+    def num_paused(self) -> int:
+        """Sequences whose drafting is paused now."""
+        return sum(1 for g in self._seqs.values() if g.paused_for > 0)
+
+    def allow(self, seq_ids: list[int], live: set[int]) -> list[bool]:
+        """One decode step of the sequences `seq_ids` (about to decode): whether each may draft this step.
+        live: ids of every running sequence (the others' averages are dropped)."""
+        if not self.enabled:
+            return [True] * len(seq_ids)
+        for sid in [s for s in self._seqs if s not in live]:
+            del self._seqs[sid]
+        out = []
+        for sid in seq_ids:
+            g = self._seqs.get(sid)
+            if g is None or g.paused_for == 0:
+                out.append(True)
+                continue
+            g.paused_for -= 1
+            if g.paused_for == 0:  # probe: draft again, judged by a fresh average
+                g.ewma, g.verifies = None, 0
+                self.num_probes += 1
+            out.append(g.paused_for == 0)
+        self._maybe_log()
+        return out
+
+    def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
+        """A verify step of the sequence: num_accepted of its num_drafts drafts stood."""
+        if not self.enabled or num_drafts <= 0:
+            return
+        s = self.settings
+        g = self._seqs.setdefault(seq_id, _SeqGate())
+        rate = num_accepted / num_drafts
+        g.ewma = rate if g.ewma is None else g.ewma + s.alpha * (rate - g.ewma)
+        g.verifies += 1
+        if g.verifies >= s.min_verifies and g.ewma < s.min_acceptance_rate:
+            g.paused_for = s.probe_interval
+            self.num_pauses += 1
+
+    def _maybe_log(self) -> None:
+        pauses, probes, at = self._logged
+        now = time.monotonic()
+        if (self.num_pauses, self.num_probes) == (pauses, probes) or now - at < self.LOG_EVERY_S:
+            return
+        log.info("speculative decoding: paused drafting for %d sequence(s) with acceptance below %.2f and probed "
+                 "%d again since the last report; %d paused now", self.num_pauses - pauses,
+                 self.settings.min_acceptance_rate, self.num_probes - probes, self.num_paused)
+        self._logged = (self.num_pauses, self.num_probes, now)
