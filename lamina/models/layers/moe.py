@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 from lamina.kernels.moe import select_experts
+from lamina.kernels.moe_decode import RouteCounter
 from lamina.models.config import ModelConfig
 from lamina.models.layers.linear import Linear
 from lamina.models.layers.mlp import GatedMLP
+from lamina.models.layers.moe_decode_path import fused_decode
 from lamina.models.weight_formats import DenseExperts, ExpertFormat
 from lamina.models.weight_formats.base import clear_params
 
@@ -56,6 +58,7 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(cfg.hidden_size, m.shared_intermediate_size, cfg.hidden_act)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.shared_fused = False
+        self.route_counter = RouteCounter()  # the fused decode path's routing counter (moe_decode_path)
 
     @property
     def experts_per_token(self) -> int:
@@ -80,8 +83,10 @@ class SparseMoE(nn.Module):
         self.shared_fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
-        out = self.experts(x, weights, ids)
+        out = fused_decode(self, x)  # a few tokens on CUDA: routing + experts + sum in three launches
+        if out is None:
+            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
+            out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
