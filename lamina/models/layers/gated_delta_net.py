@@ -21,6 +21,7 @@ from lamina.kernels.gated_delta import gated_delta_rule_varlen
 from lamina.kernels.metadata import StepContext
 from lamina.kernels.norm_gated import rms_norm_gated
 from lamina.models.config import LayerSpec, ModelConfig
+from lamina.models.layers.gdn_decode_path import fused_norm_out_proj
 from lamina.models.layers.linear import Linear
 
 # The recurrent state integrates over the whole sequence: fp32 whatever the model dtype (as HF's and fla's).
@@ -89,5 +90,9 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
         # The decay and rate gates are computed inside the GPU kernels (fused) or by gdn_gates on the CPU.
         core = gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, ctx.attn, ctx.state)
-        core = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
+        z = z.reshape(t, self.num_v_heads, self.head_v_dim)
+        out = fused_norm_out_proj(self, core, z)  # decode on CUDA: the gated norm inside the out_proj GEMV
+        if out is not None:
+            return out
+        core = self.norm(core, z)
         return self.out_proj(core.reshape(t, self.value_dim))
