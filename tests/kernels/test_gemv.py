@@ -119,3 +119,42 @@ def test_split_k_gemv_cuda_graph_replays():
         graph.replay()
         assert rel_err(out, F.linear(x.float(), w.float())) < TOL[torch.bfloat16]
     assert int(ws[1].abs().sum()) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs an sm_90 GPU")
+@pytest.mark.parametrize("split", [1, 2])
+def test_pdl_gemv_chain_in_a_graph(split):
+    """PDL configs (L2 prefetch before griddepcontrol.wait) in a chain where each GEMV reads the previous one's
+    output, eager and replayed from a CUDA graph: every link must see its input fully written."""
+    from lamina.kernels.triton_gemv import GemvConfig, gemv, new_workspace
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs sm_90+")
+    cfg = GemvConfig(32, 256, split, 4, 4, True, pdl=True, prefetch_k=1024)
+    ws = [(torch.randn(2048, 2048, device="cuda") / 45).bfloat16() for _ in range(4)]
+    x = torch.randn(3, 2048, device="cuda").bfloat16()
+    work = [new_workspace(3, 2048, cfg, x.device) if split > 1 else None for _ in ws]
+    outs = [torch.empty(3, 2048, device="cuda", dtype=torch.bfloat16) for _ in ws]
+
+    def chain():
+        h = x
+        for w, o, wk in zip(ws, outs, work):
+            h = gemv(h, w, None, cfg, wk, out=o)
+        return h
+
+    def oracle():
+        h = x.float()
+        for w in ws:
+            h = (h @ w.float().T).bfloat16().float()
+        return h
+
+    assert rel_err(chain(), oracle()) < 3 * TOL[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        x.copy_(torch.randn(3, 2048, device="cuda").bfloat16())
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(outs[-1], oracle()) < 3 * TOL[torch.bfloat16]
