@@ -158,3 +158,28 @@ def test_pdl_gemv_chain_in_a_graph(split):
             o.fill_(float("nan"))
         graph.replay()
         assert rel_err(outs[-1], oracle()) < 3 * TOL[torch.bfloat16]
+
+
+def test_linear_takes_the_dispatcher_when_switched_on(monkeypatch):
+    """LAMINA_TRITON_GEMV=1 at construction gives every Linear the process's dispatcher; a dense, unpartitioned
+    weight then goes through it (CUDA check bypassed on a CPU: the interpreter runs the kernel), others not."""
+    from lamina.kernels import gemv as gemv_mod
+    from lamina.models.layers.linear import Linear
+
+    assert Linear(64, 32).gemv is None or gemv_mod.os.environ.get("LAMINA_TRITON_GEMV") == "1"
+    monkeypatch.setenv("LAMINA_TRITON_GEMV", "1")
+    lin = Linear(64, {"a": 16, "b": 24}, bias=True)
+    assert lin.gemv is gemv_mod.env_dispatcher() and lin.gemv is Linear(8, 8).gemv  # one per process
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 64) / 8)
+        lin.bias.copy_(torch.randn(40))
+    x = torch.randn(3, 64).to(torch.float16)
+    lin = lin.to(torch.float16)
+    want = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    assert rel_err(lin(x), want) < TOL[torch.float16]  # CPU: F.linear
+    monkeypatch.setattr(gemv_mod, "use_triton", lambda t: True)
+    calls = []
+    orig = gemv_mod.GemvDispatcher.__call__
+    monkeypatch.setattr(gemv_mod.GemvDispatcher, "__call__", lambda self, *a: calls.append(1) or orig(self, *a))
+    lin.gemv.tune = False  # no CUDA timing on a CPU: the heuristic config
+    assert rel_err(lin(x), want) < TOL[torch.float16] and calls == [1]
