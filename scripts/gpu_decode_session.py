@@ -5,8 +5,8 @@ Stages, each a subprocess with its own log under $OUT (or ./decode_session) and 
 left of --budget-s, so a slow stage cannot take the ones after it down with it:
   1. tests   the new kernel tests on the GPU (MoE decode path, gated-norm out_proj GEMV, decode GEMV incl.
              the PDL chain and CUDA-graph replays); with pytest-xdist, 8 workers
-  2. fusion  scripts/gpu_fusion_bench.py (MoE route/down+sum/block, gated norm + out_proj, GEMV chain + PDL)
-             - skipped if stage 1 failed on the files it times
+  2. fusion  scripts/gpu_fusion_bench.py (MoE route/down+sum/block, gated norm + out_proj, GEMV chain + PDL);
+             it checks each kernel on the real shapes itself and skips the timings of one that fails
   3. gemv    scripts/gpu_kernel_bench.py --gemv-only: every candidate config per Qwen3-8B shape and lm_head vs
              cuBLAS at M = 1, 4, 16
   4. prof8b  scripts/profile_decode.py random:qwen3-8b (4 layers), batch 1, GEMV off and on
@@ -62,9 +62,6 @@ def main() -> int:
         left = args.budget_s - (time.perf_counter() - start)
         if left < 20:
             summary[name] = {"status": "skipped (time budget)"}
-            continue
-        if name == "fusion" and summary.get("tests", {}).get("rc") not in (0, None):
-            summary[name] = {"status": "skipped (kernel tests failed: see tests.log)"}
             continue
         t0 = time.perf_counter()
         log = out / f"{name}.log"
