@@ -3,7 +3,8 @@
 
 Stages, each a subprocess with its own log under $OUT (or ./decode_session) and a time limit cut to what is
 left of --budget-s, so a slow stage cannot take the ones after it down with it:
-  1. tests   the new kernel tests on the GPU (MoE decode path, gated-norm out_proj GEMV, decode GEMV incl.
+  1. tests   the new kernel tests on the GPU (MoE decode path, gated-norm out_proj GEMV, GDN conv + recurrent
+             decode step, decode GEMV incl.
              the PDL chain and CUDA-graph replays); with pytest-xdist, 8 workers
   2. fusion  scripts/gpu_fusion_bench.py (MoE route/down+sum/block, gated norm + out_proj, GEMV chain + PDL);
              it checks each kernel on the real shapes itself and skips the timings of one that fails
@@ -27,7 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/kernels/test_moe_decode.py", "tests/kernels/test_norm_gated_gemv.py", "tests/kernels/test_gemv.py"]
+TESTS = ["tests/kernels/test_moe_decode.py", "tests/kernels/test_norm_gated_gemv.py",
+         "tests/kernels/test_gdn_conv_decode.py", "tests/kernels/test_gemv.py"]
 
 
 def stages(out: Path) -> list[tuple[str, list[str], float]]:

@@ -7,7 +7,8 @@
    the whole block (three launches) vs the unfused path (router GEMV, top-k, fused_moe_triton). Eight inputs
    with different routings rotate through the graph so expert weights come mostly from HBM.
 2. Gated RMSNorm fused into the GDN out_proj GEMV (Hv 32 x dv 128 -> 2048), T = 1, 4, 16, a few tiles, vs
-   rms_norm_gated_triton + F.linear; weight copies rotated past the L2.
+   rms_norm_gated_triton + F.linear; weight copies rotated past the L2. Then the GDN conv update fused into
+   the recurrent decode step (Hk 16, Hv 32, dk = dv = 128, kernel 4) vs the conv kernel + the recurrent kernel.
 3. A chain of decode GEMVs over 8 layers of the Qwen3-8B shapes (qkv, o, gate_up, down) at M = 1: cuBLAS vs
    the Triton GEMV with the dispatcher's tuned configs, without and with programmatic dependent launch (L2
    prefetch of the first 0 / 512 / 2048 weight columns before griddepcontrol.wait).
@@ -39,9 +40,13 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from lamina.kernels.gdn_conv_decode import gdn_conv_decode_ref
 from lamina.kernels.gemv import GemvDispatcher
 from lamina.kernels.moe_decode import down_sum_ref, gate_up_pairs_ref, route_ref
 from lamina.kernels.norm_gated import rms_norm_gated_ref
+from lamina.kernels.triton_conv1d import causal_conv1d_varlen_triton
+from lamina.kernels.triton_gdn_conv_decode import gdn_conv_decode_triton, new_conv_counters
+from lamina.kernels.triton_gdn_decode import gated_delta_decode_triton
 from lamina.kernels.triton_gemv import gemv, heuristic_config, new_workspace
 from lamina.kernels.triton_moe import _gemv2_kernel, fused_moe_triton, select_experts_triton
 from lamina.kernels.triton_moe_decode import (
@@ -60,7 +65,7 @@ if INTERPRET:
     patch_triton_interpreter()
 DEV = torch.device("cpu" if INTERPRET else "cuda")
 BF = torch.bfloat16
-RESULT: dict = {"moe": [], "gated_norm": [], "gemv_chain": [], "failed": []}
+RESULT: dict = {"moe": [], "gated_norm": [], "gdn_conv": [], "gemv_chain": [], "failed": []}
 
 
 def graph_us(fn, reps: int, replays: int = 10) -> float:
@@ -222,6 +227,58 @@ def bench_gated_norm(ts, l2: int, quick: bool) -> None:
         RESULT["gated_norm"].append(row)
 
 
+# ---------------------------------------------------------------- GDN conv + recurrent decode step
+
+GHK, GDK, GHV, GDV, GKW = (2, 16, 4, 32, 4) if INTERPRET else (16, 128, 32, 128, 4)
+
+
+def bench_gdn_conv(ts) -> None:
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    c = 2 * GHK * GDK + GHV * GDV
+    w = (torch.randn(c, GKW, generator=gen, device=DEV) / 2).to(BF)
+    a_log = torch.rand(GHV, generator=gen, device=DEV)
+    dtb = torch.randn(GHV, generator=gen, device=DEV) * 0.5
+    for t in ts:
+        n_slots = t + 4
+        conv0 = torch.randn(n_slots, c, GKW - 1, generator=gen, device=DEV).to(BF)
+        ssm0 = torch.randn(n_slots, GHV, GDK, GDV, generator=gen, device=DEV) * 0.1
+        slots = torch.randperm(n_slots, generator=gen, device=DEV)[:t]
+        init = torch.ones(t, dtype=torch.bool, device=DEV)
+        proj = torch.randn(t, c + 2 * GHV, generator=gen, device=DEV).to(BF)
+        x, a, b = proj[:, :c], proj[:, c:c + GHV], proj[:, c + GHV:]
+        counters = new_conv_counters(t, GHK, DEV)
+        conv_f, ssm_f, conv_r, ssm_r = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
+        got = gdn_conv_decode_triton(x, w, None, conv_f, a, b, a_log, dtb, ssm_f, slots, init, counters, GHK, GDK,
+                                     GHV, GDV)
+        want = gdn_conv_decode_ref(x, w, None, conv_r, a, b, a_log, dtb, ssm_r, slots.tolist(), [True] * t, GHK, GDK,
+                                   GHV, GDV)
+        used = slots.tolist()
+        row = {"T": t, "err_out": rel(got, want), "err_conv": rel(conv_f[used], conv_r[used]),
+               "err_ssm": rel(ssm_f[used], ssm_r[used]), "counters_zero": int(counters.abs().sum()) == 0}
+        row["ok"] = max(row["err_out"], row["err_conv"], row["err_ssm"]) < 2e-2 and row["counters_zero"]
+        if not row["ok"]:
+            fail(f"gdn conv decode T{t}: {row}")
+            RESULT["gdn_conv"].append(row)
+            continue
+        qs = torch.arange(t + 1, dtype=torch.int32, device=DEV)
+        key_dim = GHK * GDK
+
+        def unfused(i):
+            y = causal_conv1d_varlen_triton(x, w, None, conv_f, qs, slots, init, 1, "silu")
+            q, k, v = y.split([key_dim, key_dim, GHV * GDV], dim=-1)
+            return gated_delta_decode_triton(q.view(t, GHK, GDK), k.view(t, GHK, GDK), v.view(t, GHV, GDV), a, b,
+                                             a_log, dtb, ssm_f, slots, init)
+
+        row["fused_us"] = graph_us(lambda i: gdn_conv_decode_triton(x, w, None, conv_f, a, b, a_log, dtb, ssm_f, slots,
+                                                                    init, counters, GHK, GDK, GHV, GDV), 16)
+        row["unfused_us"] = graph_us(unfused, 16)
+        row["bytes"] = t * (2 * GHV * GDK * GDV * 4 + 2 * c * (GKW - 1) * 2 + c * 2 + GHV * GDV * 2)
+        row["fused_gbs"] = row["bytes"] / row["fused_us"] / 1e3
+        RESULT["gdn_conv"].append(row)
+        print(f"gdn conv+recurrent T{t:2d}: fused {row['fused_us']:.1f} us ({row['fused_gbs']:.0f} GB/s) vs conv + "
+              f"recurrent {row['unfused_us']:.1f} us", flush=True)
+
+
 # ---------------------------------------------------------------- GEMV chain with and without PDL
 
 SHAPES_8B = [(48, 64), (64, 64), (96, 64), (64, 128)] if INTERPRET else \
@@ -298,6 +355,7 @@ def main() -> int:
     ts = (1, 3) if INTERPRET else (1, 4, 16)
     for name, fn in (("moe", lambda: bench_moe(ts, args.quick)),
                      ("gated_norm", lambda: bench_gated_norm(ts, l2, args.quick)),
+                     ("gdn_conv", lambda: bench_gdn_conv(ts)),
                      ("gemv_chain", lambda: bench_gemv_chain(2 if INTERPRET else args.chain_layers, copy_gbs))):
         try:
             fn()

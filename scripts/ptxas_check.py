@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from lamina.kernels import triton_gdn_conv_decode as gc  # noqa: E402
 from lamina.kernels import triton_gemv as g  # noqa: E402
 from lamina.kernels import triton_moe_decode as md  # noqa: E402
 from lamina.kernels import triton_norm_gated_gemv as ng  # noqa: E402
@@ -78,6 +79,20 @@ def main() -> None:
         consts = dict(D=128, HEADS=hp, BLOCK_M=bm, BLOCK_N=bn, USE_DOT=dot, DOT_PREC="tf32")
         compile_report(ng._gated_norm_gemv_kernel, sig, consts, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11), 4, 3,
                        f"gated_norm_gemv m{bm} n{bn} heads{hp} {'dot' if dot else 'fma'}")
+    names = ["x_ptr", "cw_ptr", "cb_ptr", "conv_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr", "state_ptr", "slot_ptr",
+             "init_ptr", "cnt_ptr", "out_ptr"]
+    types = ["*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*i64", "*u8", "*i32",
+             "*bf16"]
+    sig = dict(zip(names, types))
+    sig.update({n: "i32" for n in ("num_k_heads", "stride_x", "stride_cs", "stride_cc", "stride_wc", "stride_ab",
+                                   "stride_bb", "stride_ss", "stride_sh", "stride_sk", "stride_ob", "stride_oh")})
+    sig["scale"] = "fp32"
+    sig.update({n: C for n in ("GROUP", "DK", "DV", "BLOCK_K", "BLOCK_V", "KW", "BLOCK_W", "HAS_CB", "HAS_STATE",
+                               "HAS_INIT", "L2NORM")})
+    consts = dict(GROUP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32, KW=4, BLOCK_W=4, HAS_CB=False, HAS_STATE=True,
+                  HAS_INIT=True, L2NORM=True)
+    compile_report(gc._gdn_conv_decode_kernel, sig, consts, tuple(range(13)) + (15, 16, 18, 19, 20, 21, 22, 23, 24),
+                   4, 3, "gdn_conv_decode Qwen3-Next 128x32")
 
 
 if __name__ == "__main__":
