@@ -26,6 +26,9 @@ from pathlib import Path
 
 ARGS = argparse.ArgumentParser()
 ARGS.add_argument("--interpret", action="store_true")
+ARGS.add_argument("--gemv-only", action="store_true", help="skip the q/k-norm + RoPE + KV-store section")
+ARGS.add_argument("--ms", default="1,2,4,8,16", help="GEMV rows to time, comma-separated")
+ARGS.add_argument("--budget-s", type=float, default=150, help="GEMV shapes not started by then are skipped")
 OPTS = ARGS.parse_args()
 if OPTS.interpret:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -172,7 +175,7 @@ def time_prep(case):
 
 GEMV_SHAPES = {"qkv 6144x4096": (6144, 4096), "o 4096x4096": (4096, 4096), "gate_up 24576x4096": (24576, 4096),
                "down 4096x12288": (4096, 12288), "lm_head 151936x4096": (151936, 4096)}
-GEMV_MS = (1, 2, 4, 8, 16)
+GEMV_MS = tuple(int(m) for m in OPTS.ms.split(","))
 if OPTS.interpret:
     GEMV_SHAPES = {"tiny 48x256": (48, 256), "tiny 40x200": (40, 200)}
     GEMV_MS = (1, 3)
@@ -266,7 +269,7 @@ def main() -> int:
     if BENCH:
         print(f"device {torch.cuda.get_device_name(DEV)}, copy {copy_bw / 1e9:.0f} GB/s, L2 {l2 >> 20} MiB")
         RESULT.update(device=torch.cuda.get_device_name(DEV), copy_GBs=copy_bw / 1e9)
-    for case, spec in PREP_CASES.items():
+    for case, spec in ({} if OPTS.gemv_only else PREP_CASES).items():
         for dtype in spec[-1]:
             results = [check_prep(case, dtype, seed) for seed in range(3)]
             ok, err = all(r[0] for r in results), max(r[1] for r in results)
@@ -278,7 +281,7 @@ def main() -> int:
                   + (f" fused {row['fused_us']:.1f} us vs separate {row['separate_us']:.1f} us "
                      f"({row['bytes'] / row['fused_us'] / 1e3:.0f} GB/s)" if "fused_us" in row else ""), flush=True)
     for name, (n, k) in GEMV_SHAPES.items():
-        if time.perf_counter() - start > 150:  # stay inside the 3-minute budget: say what was left out
+        if time.perf_counter() - start > OPTS.budget_s:  # stay inside the budget: say what was left out
             FAILED.append(f"not run (time budget): gemv {name}")
             continue
         bench_shape(name, n, k, copy_bw, l2)

@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import statistics
 import sys
@@ -275,26 +277,19 @@ def kernel_profile(llm: LLM, prompts, top: int) -> None:
         print(f"{e.self_device_time_total / 1e3:9.3f} ms {e.count:6d}x  {e.key[:110]}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="random:qwen3-8b")
-    ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many layers")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--kernels", action="store_true", help="also the torch.profiler kernel list")
-    ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=4)
-    args = ap.parse_args()
+SWITCHES = {"gemv": ("LAMINA_TRITON_GEMV", "0"), "fusions": ("LAMINA_FUSED_MOE_DECODE", "LAMINA_FUSED_GDN_OUT")}
+
+
+def set_variant(gemv: bool, fusions: bool) -> None:
+    """The Triton decode GEMV (read when the Linear layers are built) and the decode fusions (read per call)."""
+    os.environ["LAMINA_TRITON_GEMV"] = "1" if gemv else "0"
+    for name in SWITCHES["fusions"]:
+        os.environ[name] = "1" if fusions else "0"
+
+
+def run_once(args, model: str, prompts) -> dict:
     from lamina.bench.offline import copy_bandwidth
 
-    model = args.model
-    if args.layers and model.startswith("random:"):
-        name = model.split(":", 1)[1]
-        presets.PRESETS[f"{name}-cut"] = dict(presets.PRESETS[name], num_hidden_layers=args.layers)
-        model = f"random:{name}-cut"
-    prompts = [{"prompt_token_ids": [1000 + (i * 31 + j) % 5000 for j in range(args.input_len)]}
-               for i in range(args.batch)]
     cuda = torch.cuda.is_available()
     step_us = None
     if cuda:  # the engine's own step time, with its CUDA graphs
@@ -317,6 +312,54 @@ def main() -> None:
     print_table(rows, copy_bw, step_us)
     if args.kernels and cuda:
         kernel_profile(llm, prompts, args.top)
+    del llm
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"step_us": step_us, "copy_GBs": copy_bw / 1e9, "ops": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many layers")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--kernels", action="store_true", help="also the torch.profiler kernel list")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=4)
+    ap.add_argument("--gemv", choices=("off", "on", "both"), default="off",
+                    help="the Triton decode GEMV in every dense Linear (LAMINA_TRITON_GEMV)")
+    ap.add_argument("--fusions", choices=("off", "on", "both"), default="on",
+                    help="the MoE decode path and the gated-norm out_proj GEMV (LAMINA_FUSED_*)")
+    ap.add_argument("--json", default=None, help="write every variant's table here (default $OUT/profile_*.json)")
+    args = ap.parse_args()
+
+    model = args.model
+    if args.layers and model.startswith("random:"):
+        name = model.split(":", 1)[1]
+        presets.PRESETS[f"{name}-cut"] = dict(presets.PRESETS[name], num_hidden_layers=args.layers)
+        model = f"random:{name}-cut"
+    prompts = [{"prompt_token_ids": [1000 + (i * 31 + j) % 5000 for j in range(args.input_len)]}
+               for i in range(args.batch)]
+    pick = {"off": (False,), "on": (True,), "both": (False, True)}
+    results = []
+    for gemv in pick[args.gemv]:
+        for fusions in pick[args.fusions]:
+            set_variant(gemv, fusions)
+            print(f"\n==== {model}, batch {args.batch}: GEMV {'on' if gemv else 'off'}, "
+                  f"decode fusions {'on' if fusions else 'off'} ====", flush=True)
+            results.append({"model": model, "batch": args.batch, "gemv": gemv, "fusions": fusions,
+                            **run_once(args, model, prompts)})
+    if len(results) > 1:
+        print("\nvariants: " + "; ".join(
+            f"GEMV {'on' if r['gemv'] else 'off'} / fusions {'on' if r['fusions'] else 'off'}: "
+            f"{r['step_us'] or float('nan'):.0f} us/step (graphs), "
+            f"{sum(o['count'] * o['own_us'] for o in r['ops']):.0f} us of op time" for r in results))
+    path = args.json or (Path(os.environ["OUT"], f"profile_{model.split(':')[-1]}_b{args.batch}.json")
+                         if os.environ.get("OUT") else None)
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

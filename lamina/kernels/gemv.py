@@ -7,6 +7,7 @@ same shape, which run one after another on one stream). F.linear is the referenc
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -47,12 +48,12 @@ class GemvDispatcher:
             x2 = x2.contiguous()
         m, k = x2.shape
         n = weight.shape[0]
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        dev = x.device.index if x.device.index is not None else (torch.cuda.current_device() if x.is_cuda else -1)
         sms = self._sms.get(dev) or self._sms.setdefault(dev, tg._num_sms(x.device))
         key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev)
         cfg = self.configs.get(key)
         if cfg is None:
-            if torch.cuda.is_current_stream_capturing() or not self.tune:
+            if not self.tune or torch.cuda.is_current_stream_capturing():
                 cfg = tg.heuristic_config(m, n, k, sms, allow_split=False)  # nothing to time or allocate here
             else:
                 cfg = self._choose(key, x2, weight, bias, sms)
@@ -142,3 +143,16 @@ def linear_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if dispatcher is not None and dispatcher.accepts(x, weight, bias):
         return dispatcher(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _process_dispatcher() -> GemvDispatcher:
+    return GemvDispatcher(enabled=True)
+
+
+def env_dispatcher() -> GemvDispatcher | None:
+    """The dispatcher Linear layers built while LAMINA_TRITON_GEMV=1 share (None when it is not set). One per
+    process on purpose: it is a cache of per-shape timings and split-K workspaces, like Triton's own kernel
+    cache, so every model in the process (a draft model too) tunes each shape once. Its calls all run on the
+    thread and stream that run the models, one after another."""
+    return _process_dispatcher() if os.environ.get(ENV_SWITCH) == "1" else None

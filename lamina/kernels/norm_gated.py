@@ -22,3 +22,30 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
         return rms_norm_gated_triton(x, gate, weight, eps)
     return rms_norm_gated_ref(x, gate, weight, eps)
+
+
+MAX_FUSED_TOKENS = 16  # = triton_norm_gated_gemv.MAX_M
+
+
+def rms_norm_gated_linear_ref(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                              weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(rms_norm_gated(x, gate), weight) for x, gate [T, H, D]: the GDN layer's gated norm and out_proj."""
+    t = x.shape[0]
+    return F.linear(rms_norm_gated_ref(x, gate, norm_weight, eps).reshape(t, -1), weight)
+
+
+def rms_norm_gated_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          weight: torch.Tensor) -> torch.Tensor | None:
+    """The gated norm fused into the out_proj GEMV (triton_norm_gated_gemv) for <= 16 tokens on CUDA with
+    per-head-contiguous x and gate and a power-of-two head size; None where the caller should run the two
+    ops (or the reference, off CUDA)."""
+    if not use_triton(x):
+        return rms_norm_gated_linear_ref(x, gate, norm_weight, eps, weight)
+    t, _, d = x.shape
+    if not (1 <= t <= MAX_FUSED_TOKENS and d & (d - 1) == 0 and x.stride(1) == d and gate.stride(1) == d
+            and x.stride(2) == 1 and gate.stride(2) == 1 and weight.stride(-1) == 1
+            and x.dtype == gate.dtype == weight.dtype):
+        return None
+    from lamina.kernels.triton_norm_gated_gemv import gated_norm_gemv
+
+    return gated_norm_gemv(x, gate, norm_weight, eps, weight)

@@ -24,6 +24,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_M = 16  # the dispatcher (gemv.py) sends at most this many rows here
 
@@ -32,7 +33,8 @@ MAX_M = 16  # the dispatcher (gemv.py) sends at most this many rows here
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
+                 LINE: tl.constexpr = 64):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -42,6 +44,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_
     n_ok = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    if PDL:  # launched with programmatic dependent launch: may start before the previous kernel has finished
+        if PREFETCH_K > 0:  # weights never depend on it: pull the first columns of our rows into L2 meanwhile
+            cols = k_start + tl.arange(0, PREFETCH_K // LINE) * LINE  # one address per 128-byte line
+            pf = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]
+            pf = tl.where(n_ok[:, None] & (cols < k_end)[None, :], pf, w_ptr)  # in bounds: a valid address
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [pf], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+        gdc_launch_dependents()
+        gdc_wait()  # x (and y, the workspace) belong to the previous kernels: wait for them to finish
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -90,19 +101,30 @@ class GemvConfig:
     warps: int = 4
     stages: int = 3
     dot: bool = True
+    # Programmatic dependent launch (sm_90+): the launch may overlap the previous kernel's tail; the program
+    # prefetches its first `prefetch_k` weight columns into L2, then waits for the previous kernel before
+    # reading x. Only worth it in chains of PDL-aware kernels; never picked by the single-kernel tuning.
+    pdl: bool = False
+    prefetch_k: int = 0
 
     def block_m(self, m: int) -> int:
         return 16 if self.dot else triton.next_power_of_2(m)
 
     def label(self) -> str:
+        pdl = f" pdl{self.prefetch_k}" if self.pdl else ""
         return (f"{'dot' if self.dot else 'fma'} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.warps} st{self.stages}")
+                f"w{self.warps} st{self.stages}{pdl}")
 
 
 # Tiles per inner product: dot pads M to 16 (tensor cores); fma keeps M (<= 4) and multiplies on CUDA cores,
-# register use ~ BLOCK_M * BLOCK_N * BLOCK_K / threads.
-_DOT_TILES = [(16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4)]
-_FMA_TILES = [(4, 1024, 4, 3), (8, 512, 4, 3), (16, 256, 4, 4)]
+# register use ~ BLOCK_M * BLOCK_N * BLOCK_K / threads. H200 run of 2026-12-01 (Qwen3-8B shapes, M = 1..16):
+# the winners were dot n32 k256 (qkv, o, down), dot n64 k128 (gate_up, lm_head) and fma n4 k1024 (o, down at
+# M = 1); n16 tiles and the 4-16-way splits always lost. Small matrices sat ~4 us above bytes / 4.5 TB/s:
+# ramp-up and tail with one or two programs per SM. Hence the wider-K / deeper-stage variants and 2-way
+# splits (two programs per SM on N = 4096) added here, and the PDL variant for chains.
+_DOT_TILES = [(32, 256, 4, 4), (64, 128, 4, 4), (32, 512, 4, 3), (64, 256, 8, 3), (32, 128, 4, 6), (16, 256, 4, 4)]
+_DOT_FEW_ROWS = 2  # with M <= 4 only the first two dot tiles join the fma ones (bounded tuning time)
+_FMA_TILES = [(4, 1024, 4, 3), (2, 2048, 4, 2), (8, 512, 4, 3), (4, 2048, 8, 2)]
 # Whole 4096-wide rows in one load (1-2 rows of x only: registers): every byte of a program in flight at once,
 # the layout that took the MoE expert GEMVs from 1.8 to 3.0 TB/s (GPU_KERNELS.md).
 _FMA_WIDE = (2, 4096, 8, 1)
@@ -118,25 +140,35 @@ def auto_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
-    """The configs timed for one shape: each tile without split and with auto_split's split (deduplicated)."""
+    """The configs timed for one shape: each tile without split, split in two where K holds >= 4 tiles, and
+    auto_split's split where N alone gives fewer programs than SMs (deduplicated; at most 16)."""
     tiles = [(t, True) for t in _DOT_TILES]
     if m <= 4:
-        tiles = [(t, False) for t in _FMA_TILES + ([_FMA_WIDE] if m <= 2 else [])] + tiles
-    out: list[GemvConfig] = []
+        tiles = [(t, False) for t in _FMA_TILES + ([_FMA_WIDE] if m <= 2 else [])] + tiles[:_DOT_FEW_ROWS]
+    levels: list[list[GemvConfig]] = [[], [], []]  # unsplit first, then 2-way, then auto: the cap drops splits
     for (bn, bk, warps, stages), dot in tiles:
         bk = min(bk, max(16, triton.next_power_of_2(k)))
-        for split in sorted({1, auto_split(n, k, bn, bk, num_sms)}):
-            cfg = GemvConfig(bn, bk, split, warps, stages, dot)
-            if cfg not in out:
-                out.append(cfg)
-    return out
+        levels[0].append(GemvConfig(bn, bk, 1, warps, stages, dot))
+        if k >= 4 * bk and triton.cdiv(n, bn) < 4 * num_sms:  # a long matrix has programs enough
+            levels[1].append(GemvConfig(bn, bk, 2, warps, stages, dot))
+        if triton.cdiv(n, bn) < num_sms:
+            levels[2].append(GemvConfig(bn, bk, auto_split(n, k, bn, bk, num_sms), warps, stages, dot))
+    out: list[GemvConfig] = []
+    for cfg in levels[0] + levels[1] + levels[2]:
+        if cfg not in out:
+            out.append(cfg)
+    return out[:16]
 
 
 def heuristic_config(m: int, n: int, k: int, num_sms: int, allow_split: bool = True) -> GemvConfig:
-    """The untimed pick: fma for 1-2 rows, dot above; split-K only where N alone gives too few programs."""
-    bn, bk, warps, stages = _FMA_TILES[1] if m <= 2 else _DOT_TILES[0]
+    """The untimed pick, from the H200 winners: fma n4 k1024 for 1-2 rows, dot n32 k256 above (n64 k128 where
+    N gives >= 3 programs per SM); split-K only where N alone gives too few programs."""
+    if m <= 2:
+        bn, bk, warps, stages = _FMA_TILES[0]
+    else:
+        bn, bk, warps, stages = _DOT_TILES[1] if triton.cdiv(n, 64) >= 3 * num_sms else _DOT_TILES[0]
     bk = min(bk, max(16, triton.next_power_of_2(k)))
-    split = auto_split(n, k, bn, bk, num_sms) if allow_split else 1
+    split = auto_split(n, k, bn, bk, num_sms) if allow_split and triton.cdiv(n, bn) < num_sms else 1
     return GemvConfig(bn, bk, split, warps, stages, dot=m > 2)
 
 
@@ -179,8 +211,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         out.stride(0), k_per_split, BLOCK_M=config.block_m(m), BLOCK_N=config.block_n, BLOCK_K=bk,
         SPLIT_K=config.split_k, USE_DOT=config.dot, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.warps,
-        num_stages=config.stages)
+        num_stages=config.stages, **_pdl_args(config, x.element_size()))
     return out
+
+
+def _pdl_args(config: GemvConfig, elem_bytes: int) -> dict:
+    """Launch options of a PDL config (none otherwise, so interpreter launches never see them)."""
+    if not config.pdl:
+        return {}
+    line = 128 // elem_bytes
+    lines = config.prefetch_k // line
+    lines = 1 << (lines.bit_length() - 1) if lines else 0  # a power of two (tl.arange)
+    return dict(PDL=True, PREFETCH_K=lines * line, LINE=line, launch_pdl=True)
 
 
 def _num_sms(device: torch.device) -> int:

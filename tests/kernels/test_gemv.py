@@ -119,3 +119,67 @@ def test_split_k_gemv_cuda_graph_replays():
         graph.replay()
         assert rel_err(out, F.linear(x.float(), w.float())) < TOL[torch.bfloat16]
     assert int(ws[1].abs().sum()) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs an sm_90 GPU")
+@pytest.mark.parametrize("split", [1, 2])
+def test_pdl_gemv_chain_in_a_graph(split):
+    """PDL configs (L2 prefetch before griddepcontrol.wait) in a chain where each GEMV reads the previous one's
+    output, eager and replayed from a CUDA graph: every link must see its input fully written."""
+    from lamina.kernels.triton_gemv import GemvConfig, gemv, new_workspace
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs sm_90+")
+    cfg = GemvConfig(32, 256, split, 4, 4, True, pdl=True, prefetch_k=1024)
+    ws = [(torch.randn(2048, 2048, device="cuda") / 45).bfloat16() for _ in range(4)]
+    x = torch.randn(3, 2048, device="cuda").bfloat16()
+    work = [new_workspace(3, 2048, cfg, x.device) if split > 1 else None for _ in ws]
+    outs = [torch.empty(3, 2048, device="cuda", dtype=torch.bfloat16) for _ in ws]
+
+    def chain():
+        h = x
+        for w, o, wk in zip(ws, outs, work):
+            h = gemv(h, w, None, cfg, wk, out=o)
+        return h
+
+    def oracle():
+        h = x.float()
+        for w in ws:
+            h = (h @ w.float().T).bfloat16().float()
+        return h
+
+    assert rel_err(chain(), oracle()) < 3 * TOL[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        x.copy_(torch.randn(3, 2048, device="cuda").bfloat16())
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(outs[-1], oracle()) < 3 * TOL[torch.bfloat16]
+
+
+def test_linear_takes_the_dispatcher_when_switched_on(monkeypatch):
+    """LAMINA_TRITON_GEMV=1 at construction gives every Linear the process's dispatcher; a dense, unpartitioned
+    weight then goes through it (CUDA check bypassed on a CPU: the interpreter runs the kernel), others not."""
+    from lamina.kernels import gemv as gemv_mod
+    from lamina.models.layers.linear import Linear
+
+    assert Linear(64, 32).gemv is None or gemv_mod.os.environ.get("LAMINA_TRITON_GEMV") == "1"
+    monkeypatch.setenv("LAMINA_TRITON_GEMV", "1")
+    lin = Linear(64, {"a": 16, "b": 24}, bias=True)
+    assert lin.gemv is gemv_mod.env_dispatcher() and lin.gemv is Linear(8, 8).gemv  # one per process
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 64) / 8)
+        lin.bias.copy_(torch.randn(40))
+    x = torch.randn(3, 64).to(torch.float16)
+    lin = lin.to(torch.float16)
+    want = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    assert rel_err(lin(x), want) < TOL[torch.float16]  # CPU: F.linear
+    monkeypatch.setattr(gemv_mod, "use_triton", lambda t: True)
+    calls = []
+    orig = gemv_mod.GemvDispatcher.__call__
+    monkeypatch.setattr(gemv_mod.GemvDispatcher, "__call__", lambda self, *a: calls.append(1) or orig(self, *a))
+    lin.gemv.tune = False  # no CUDA timing on a CPU: the heuristic config
+    assert rel_err(lin(x), want) < TOL[torch.float16] and calls == [1]

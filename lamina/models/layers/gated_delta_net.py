@@ -18,9 +18,11 @@ from torch import nn
 from lamina.cache.specs import RecurrentStateSpec, SlotRows, StateTensor
 from lamina.kernels.conv1d import causal_conv1d_varlen
 from lamina.kernels.gated_delta import gated_delta_rule_varlen
+from lamina.kernels.gdn_conv_decode import ConvCounters
 from lamina.kernels.metadata import StepContext
 from lamina.kernels.norm_gated import rms_norm_gated
 from lamina.models.config import LayerSpec, ModelConfig
+from lamina.models.layers.gdn_decode_path import fused_conv_recurrent, fused_norm_out_proj
 from lamina.models.layers.linear import Linear
 
 # The recurrent state integrates over the whole sequence: fp32 whatever the model dtype (as HF's and fla's).
@@ -60,6 +62,7 @@ class GatedDeltaNet(nn.Module):
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported gated delta net activation {cfg.hidden_act!r}")
         self._state: SlotRows | None = None  # bound by the engine (state-pool rows; stable for CUDA graphs)
+        self.conv_counters = ConvCounters()  # the fused conv + recurrent decode kernel's (gdn_decode_path)
 
     def state_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         return RecurrentStateSpec((
@@ -81,13 +84,20 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
                                              dim=-1)
-        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_state, ctx.attn,
-                                   ctx.state, "silu")
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        # The decay and rate gates are computed inside the GPU kernels (fused) or by gdn_gates on the CPU.
-        core = gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, ctx.attn, ctx.state)
-        core = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
+        core = fused_conv_recurrent(self, qkv, a, b, ctx)  # decode on CUDA: conv + recurrent step in one launch
+        if core is None:
+            qkv = causal_conv1d_varlen(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_state,
+                                       ctx.attn, ctx.state, "silu")
+            q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+            k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+            v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+            # The decay and rate gates are computed inside the GPU kernels (fused) or by gdn_gates on the CPU.
+            core = gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, ctx.attn,
+                                           ctx.state)
+        z = z.reshape(t, self.num_v_heads, self.head_v_dim)
+        out = fused_norm_out_proj(self, core, z)  # decode on CUDA: the gated norm inside the out_proj GEMV
+        if out is not None:
+            return out
+        core = self.norm(core, z)
         return self.out_proj(core.reshape(t, self.value_dim))

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from lamina.kernels.gemv import env_dispatcher
 from lamina.models.weight_formats import DenseFormat, WeightFormat
 from lamina.models.weight_formats.base import clear_params
 
@@ -47,6 +48,7 @@ class Linear(_WithFormat):
         self.out_shards = dict(out_features) if isinstance(out_features, Mapping) else {"": out_features}
         self.has_bias = bias
         self.set_format(fmt or DenseFormat(), dtype)
+        self.gemv = env_dispatcher()  # the Triton decode GEMV when LAMINA_TRITON_GEMV=1 (kernels/gemv.py)
 
     @property
     def out_features(self) -> int:
@@ -57,6 +59,9 @@ class Linear(_WithFormat):
         self.format.tie(self, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and type(self.format) is DenseFormat and self.format.partition is None \
+                and self.gemv.accepts(x, self.weight, self.bias):  # decode rows of a dense weight on CUDA
+            return self.gemv(x, self.weight, self.bias)
         return self.format.apply(self, x)
 
     def extra_repr(self) -> str:

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from lamina.kernels.moe import select_experts
+from lamina.kernels.moe_decode import RouteCounter
 from lamina.models.config import ModelConfig
 from lamina.models.layers.linear import Linear
 from lamina.models.layers.mlp import GatedMLP
+from lamina.models.layers.moe_decode_path import fused_decode
 from lamina.models.layers.moe_routing import GroupedTopKRouter
 from lamina.models.weight_formats import DenseExperts, ExpertFormat
 from lamina.models.weight_formats.base import clear_params
@@ -68,6 +70,7 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(cfg.hidden_size, m.shared_intermediate_size, cfg.hidden_act)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.shared_fused = False
+        self.route_counter = RouteCounter()  # the fused decode path's routing counter (moe_decode_path)
 
     @property
     def experts_per_token(self) -> int:
@@ -92,11 +95,14 @@ class SparseMoE(nn.Module):
         self.shared_fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grouped:
-            weights, ids = self.gate(x)
-        else:
-            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
-        out = self.experts(x, weights, ids)
+        # A few tokens on CUDA with softmax top-k routing: routing + experts + sum in three launches.
+        out = None if self.grouped else fused_decode(self, x)
+        if out is None:
+            if self.grouped:
+                weights, ids = self.gate(x)
+            else:
+                weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
+            out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.shared_expert is not None:

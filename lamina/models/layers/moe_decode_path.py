@@ -1,0 +1,36 @@
+"""Which SparseMoE calls take the fused decode kernels (kernels/moe_decode.py): routing in one launch and the
+sum over experts folded into the down projection, for at most MAX_TOKENS tokens on CUDA with dense router
+and expert weights. Everything else (CPU, prefill-sized batches, quantized experts, tensor-parallel router)
+keeps the layer's unfused path. LAMINA_FUSED_MOE_DECODE=0 switches the fused path off."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from lamina.kernels.dispatch import use_triton
+from lamina.kernels.moe_decode import MAX_TOKENS, RouteCounter, moe_decode
+from lamina.models.weight_formats import DenseExperts, DenseFormat
+
+ENV_SWITCH = "LAMINA_FUSED_MOE_DECODE"
+
+
+def fused_decode(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The routed experts' output (the folded shared expert included) for x [T, H], or None when this call
+    is not one the fused path takes. `layer` is a SparseMoE; its `route_counter` holds the kernel's counter."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not use_triton(x) or x.dim() != 2 or \
+            not 1 <= x.shape[0] <= MAX_TOKENS:
+        return None
+    gate, experts = layer.gate, layer.experts
+    if type(gate.format) is not DenseFormat or gate.format.partition is not None or gate.bias is not None or \
+            type(experts.format) is not DenseExperts:
+        return None
+    w13, w2 = experts.gate_up_proj, experts.down_proj
+    if not (x.dtype == gate.weight.dtype == w13.dtype == w2.dtype) or gate.weight.stride(-1) != 1 or \
+            w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        return None
+    counter = getattr(layer, "route_counter", None)
+    if not isinstance(counter, RouteCounter):
+        return None
+    return moe_decode(x, gate.weight, w13, w2, layer.top_k, layer.renormalize, layer.shared_fused, counter)
