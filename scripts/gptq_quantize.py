@@ -114,6 +114,8 @@ def write_checkpoint(model: nn.Module, results: dict, out: Path, bits: int, grou
         tensors.update({f"{name}.{k}": v for k, v in gptq_v1_tensors(r).items()})
     save_file(tensors, str(out / "model.safetensors"))
     cfg = model.config.to_dict()
+    if not cfg.get("architectures"):  # transformers' GGUF reader leaves it unset; loaders pick the family by it
+        cfg["architectures"] = [type(model).__name__]
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
                                   "sym": sym, "checkpoint_format": "gptq", "lm_head": False}
     cfg["torch_dtype"] = "float32"
