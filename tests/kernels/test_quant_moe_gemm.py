@@ -144,7 +144,7 @@ def test_wq_grouped_moe_matches_the_dequantized_reference(case, bits, group, dty
 
 
 @pytest.mark.parametrize("act_order", [False, True], ids=["groups", "act-order"])
-def test_gptq_expert_layer_through_the_grouped_kernel(act_order):
+def test_gptq_expert_layer_through_the_grouped_kernel(act_order, monkeypatch):
     """A GPTQ expert stack loaded as a checkpoint would be (expert by expert, gate, up, down), its repacked
     stacks and act-order permutations fed to the grouped kernel exactly as GPTQExperts.apply does on CUDA,
     against the dense MoE reference on the weights the GPTQ integers define."""
@@ -180,4 +180,35 @@ def test_gptq_expert_layer_through_the_grouped_kernel(act_order):
               for t in (getattr(layer, p), getattr(layer, f"{p}_scales"), getattr(layer, f"{p}_offsets"),
                         layer.__dict__[f"_{p}_perm_stack"])]
     got = wq_moe_grouped(x.to(DEV), *stacks, 4, weights.half().to(DEV), ids.to(DEV))
+    assert rel_err(got, want) < TOL[torch.float16]
+    if DEV.type == "cpu":  # and through GPTQExperts.apply as CUDA dispatches it (use_triton forced on)
+        import lamina.models.weight_formats.int4_experts as experts_mod
+
+        monkeypatch.setattr(experts_mod, "use_triton", lambda t: True)
+        monkeypatch.setattr(experts_mod.GPTQExperts, "_linear", None)  # the per-expert loop must not run
+        assert rel_err(layer(x, weights.half(), ids), want) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("tokens", [3, 40], ids=["decode_gemv", "prefill_grouped"])
+def test_fp8_fused_moe_dispatch(monkeypatch, tokens):
+    """kernels.fp8.fp8_fused_moe as the GPU takes it (use_triton forced on; the interpreter runs the kernels
+    on CPU tensors): <= 64 pairs take the decode GEMVs, more the grouped GEMMs, never the dequantized stacks."""
+    import lamina.kernels.fp8 as fp8mod
+    import lamina.kernels.triton_fp8_moe_gemm as grouped
+
+    calls = []
+    real = grouped.fp8_moe_grouped
+    monkeypatch.setattr(fp8mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(grouped, "fp8_moe_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fp8mod, "dequantize", None)  # the old prefill path would call it
+    gen = torch.Generator().manual_seed(tokens)
+    block = (16, 32)
+    w13, s13, w2, s2 = fp8_stacks(8, 64, 32, block, gen)
+    weights, ids = routing(tokens, 8, 2, gen)
+    x = torch.randn(tokens, 64, generator=gen).half()
+    want = fused_moe_ref(x.double(), dequantize(w13, s13, block).double(), dequantize(w2, s2, block).double(),
+                         weights.double(), ids)
+    got = fp8mod.fp8_fused_moe(x.to(DEV), w13.to(DEV), s13.to(DEV), w2.to(DEV), s2.to(DEV), block,
+                               weights.half().to(DEV), ids.to(DEV))
+    assert len(calls) == int(tokens * 2 > 64)
     assert rel_err(got, want) < TOL[torch.float16]
