@@ -13,6 +13,7 @@
 
     python scripts/fp8_gpu_bench.py               # CUDA
     python scripts/fp8_gpu_bench.py --interpret   # CPU: tiny shapes through TRITON_INTERPRET=1, checks only
+    python scripts/fp8_gpu_bench.py --quick       # GEMV at M = 1 and 16 with the default BLOCK_N only
 
 Writes $OUT/fp8_gpu_bench.json when OUT is set. Exits 1 on any failed check.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 ARGS = argparse.ArgumentParser()
 ARGS.add_argument("--interpret", action="store_true")
+ARGS.add_argument("--quick", action="store_true")
 OPTS = ARGS.parse_args()
 if OPTS.interpret:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -109,7 +111,7 @@ def gemv_cases() -> None:
         schemes = {"rows": (None, *quantize_rows(w)), "block128": ((128, 128), *quantize_blocks(w, (128, 128)))}
         wb = w.to(torch.bfloat16)
         copies = max(1, -(-256 * 2**20 // (n * k * 2))) if BENCH else 1  # > 2x the L2 in bf16 weights
-        for m in (1, 2, 4, 8, 16) if BENCH else (1, 3):
+        for m in ((1, 16) if OPTS.quick else (1, 2, 4, 8, 16)) if BENCH else (1, 3):
             x = torch.randn(m, k, device=DEV).to(torch.bfloat16 if BENCH else torch.float16)
             row = {"shape": name, "n": n, "k": k, "m": m}
             if BENCH:
@@ -122,7 +124,7 @@ def gemv_cases() -> None:
                     continue
                 qs = [(q.clone(), s.clone()) for _ in range(copies)]
                 times = {bn: time_us(lambda i, bn=bn: fp8_gemv(x, qs[i][0], qs[i][1], block, block_n=bn), copies)
-                         for bn in (16, 32, 64)}
+                         for bn in (() if OPTS.quick else (16, 32, 64))}
                 times["default"] = time_us(lambda i: fp8_gemv(x, qs[i][0], qs[i][1], block), copies)
                 row[f"{sname}_us"] = times
                 row[f"{sname}_speedup_vs_bf16"] = row["bf16_us"] / times["default"]

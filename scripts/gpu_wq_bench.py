@@ -10,7 +10,12 @@ command on the GPU (a few minutes on an H200):
    HBM), captured in a CUDA graph, against bf16 F.linear (cuBLAS) on the same shapes; every candidate
    config is timed and the heuristic's pick reported next to the best. Targets (issue 15, model level):
    W4A16 >= 2.8x bf16, GGUF Q4_K >= 2.5x; these linears are ~95% of an 8B decode step's bytes.
+   FP8 (the decode GEMV, row and 128x128 block scales) is timed the same way, so the batch-1 figures of
+   bf16, FP8, W4A16 and GGUF Q4_K come from one methodology (target FP8 >= 1.75x);
 3. prefill: one layer's four matmuls at M = 2048 (TFLOP/s against bf16 cuBLAS).
+
+--quick (what scripts/quant_targets.py runs, ~1 minute): checks at M = 1, 16, 2048 in bf16 only, the
+decode timing at M = 1 and 16 with the heuristic configs only (no sweep), prefill with the heuristic only.
 
     python scripts/gpu_wq_bench.py                 # CUDA
     python scripts/gpu_wq_bench.py --interpret     # CPU: tiny shapes through TRITON_INTERPRET=1, checks only
@@ -28,6 +33,7 @@ from pathlib import Path
 ARGS = argparse.ArgumentParser()
 ARGS.add_argument("--interpret", action="store_true")
 ARGS.add_argument("--layers", type=int, default=36)
+ARGS.add_argument("--quick", action="store_true")
 OPTS = ARGS.parse_args()
 if OPTS.interpret:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -40,6 +46,8 @@ if OPTS.interpret:
     from lamina.kernels.interpreter import patch_triton_interpreter
 
     patch_triton_interpreter()
+from lamina.kernels.fp8 import quantize_blocks, quantize_rows  # noqa: E402
+from lamina.kernels.triton_fp8_gemv import fp8_gemv  # noqa: E402
 from lamina.kernels.triton_wq_matmul import WqConfig, heuristic_config, wq_matmul  # noqa: E402
 from lamina.kernels.wq_matmul import dequantize  # noqa: E402
 
@@ -52,12 +60,18 @@ if OPTS.interpret:
 
 
 def weight(n: int, k: int, bits: int, group: int, gen: torch.Generator):
-    q = torch.randint(0, 256, (n, k // 2 if bits == 4 else k), generator=gen, dtype=torch.uint8).to(DEV)
+    """Random integers, scales and offsets, drawn on the device (36 layers of 8B weights from the CPU's
+    generator took most of a minute per layout)."""
+    q = torch.randint(0, 256, (n, k // 2 if bits == 4 else k), generator=gen, dtype=torch.uint8, device=DEV)
     if bits == 8:
         q = q.view(torch.int8)
-    s = (torch.rand(n, k // group, generator=gen) * 0.01 + 0.001).half().to(DEV)
-    o = (torch.randn(n, k // group, generator=gen) * 0.02).half().to(DEV)
+    s = (torch.rand(n, k // group, generator=gen, device=DEV) * 0.01 + 0.001).half()
+    o = (torch.randn(n, k // group, generator=gen, device=DEV) * 0.02).half()
     return q, s, o
+
+
+def device_gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -69,6 +83,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def candidates(m: int, n: int, k: int, group: int) -> list[WqConfig]:
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == "cuda" else 8
     out = [heuristic_config(m, n, k, group, sms)]
+    if OPTS.quick:
+        return out
     if m <= 16:
         for bn in (64, 128):
             for bk in (64, 128):
@@ -82,15 +98,17 @@ def candidates(m: int, n: int, k: int, group: int) -> list[WqConfig]:
 
 def check(results: list) -> bool:
     ok = True
-    gen = torch.Generator().manual_seed(0)
+    gen = device_gen(0)
+    ms = (1, 16, 2048) if OPTS.quick else (1, 4, 16, 128, 2048)
+    dtypes = (torch.bfloat16,) if OPTS.quick else (torch.bfloat16, torch.float16)
     for label, (bits, group) in LAYOUTS.items():
         for name, (n, k) in SHAPES.items():
             q, s, o = weight(n, k, bits, group, gen)
             w = dequantize(q, s, o, bits)
-            for m in ((1, 4, 16, 37) if OPTS.interpret else (1, 4, 16, 128, 2048)):
-                x = torch.randn(m, k, generator=gen).to(DEV)
+            for m in ((1, 4, 16, 37) if OPTS.interpret else ms):
+                x = torch.randn(m, k, generator=gen, device=DEV)
                 ref = x.double() @ w.double().t()
-                for dtype in ((torch.float16,) if OPTS.interpret else (torch.bfloat16, torch.float16)):
+                for dtype in ((torch.float16,) if OPTS.interpret else dtypes):
                     xd = x.to(dtype)
                     y1 = wq_matmul(xd, q, s, o, bits)
                     err = rel_err(y1, ref)
@@ -124,11 +142,11 @@ def graph_us(fn, replays: int = 10) -> float:
 
 
 def time_decode(results: list) -> None:
-    gen = torch.Generator().manual_seed(1)
+    gen = device_gen(1)
     layers = OPTS.layers
-    dense = {name: [torch.randn(n, k, generator=gen).to(DEV, torch.bfloat16) * 0.02 for _ in range(layers)]
-             for name, (n, k) in SHAPES.items()}
-    for m in (1, 4, 16):
+    dense = {name: [torch.randn(n, k, generator=gen, device=DEV, dtype=torch.bfloat16) * 0.02
+                    for _ in range(layers)] for name, (n, k) in SHAPES.items()}
+    for m in (1, 16) if OPTS.quick else (1, 4, 16):
         xs = {name: torch.randn(m, shape[1], device=DEV, dtype=torch.bfloat16) for name, shape in SHAPES.items()}
 
         def run_dense(xs=xs):
@@ -159,16 +177,24 @@ def time_decode(results: list) -> None:
                           "speedup_best": bf16 / best_total, "best_configs": picks}
             del qw
             torch.cuda.empty_cache()
+        for label, block in (("fp8 rows", None), ("fp8 block128", (128, 128))):
+            total = 0.0
+            for nm, ws in dense.items():
+                qs = [quantize_blocks(w, block) if block else quantize_rows(w) for w in ws]
+                total += graph_us(lambda x=xs[nm], qs=qs, block=block: [fp8_gemv(x, q, sc, block) for q, sc in qs])
+                del qs
+            row[label] = {"heuristic_us": total, "speedup_heuristic": bf16 / total}
+            torch.cuda.empty_cache()
         results.append(row)
         print(json.dumps(row, indent=1))
 
 
 def time_prefill(results: list) -> None:
-    gen = torch.Generator().manual_seed(2)
+    gen = device_gen(2)
     m = 2048
     for name, (n, k) in SHAPES.items():
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, generator=gen).to(DEV, torch.bfloat16)
+        w = torch.randn(n, k, generator=gen, device=DEV, dtype=torch.bfloat16)
         bf16 = graph_us(lambda x=x, w=w: F.linear(x, w))
         row = {"timing": "prefill", "shape": name, "m": m, "bf16_tflops": 2 * m * n * k / bf16 / 1e6}
         for label, (bits, group) in LAYOUTS.items():

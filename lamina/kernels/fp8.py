@@ -134,13 +134,19 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
                   block: tuple[int, int] | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """kernels.moe.fused_moe over FP8 expert stacks (w13 [E, 2I, H], w2 [E, H, I] with row or block scales).
 
-    CUDA decode (<= 64 pairs): GEMVs that read FP8 (triton_fp8_moe.py). Otherwise (the CPU reference, and
-    prefill on CUDA) the stacks are dequantized to x's dtype for the dense grouped GEMM: correct, but on the
-    GPU it costs a pass over every expert per call (an FP8 grouped GEMM is the next step)."""
-    if use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and topk_ids.numel() <= MOE_GEMV_PAIRS:
-        from lamina.kernels.triton_fp8_moe import fp8_moe_gemv
+    CUDA, decode (<= 64 pairs): GEMVs that read FP8 (triton_fp8_moe.py); more pairs (prefill, mixed and
+    large decode steps): the grouped GEMMs that widen FP8 in registers (triton_fp8_moe_gemm.py). Both are
+    weight-only and free of host syncs. The CPU reference (and CUDA scale blocks the grouped kernels cannot
+    tile) dequantizes the stacks to x's dtype for kernels.moe.fused_moe."""
+    if use_triton(x) and x.dtype in (torch.bfloat16, torch.float16):
+        if topk_ids.numel() <= MOE_GEMV_PAIRS:
+            from lamina.kernels.triton_fp8_moe import fp8_moe_gemv
 
-        return fp8_moe_gemv(x, w13, s13, w2, s2, block, topk_weights, topk_ids)
+            return fp8_moe_gemv(x, w13, s13, w2, s2, block, topk_weights, topk_ids)
+        from lamina.kernels.triton_fp8_moe_gemm import fp8_moe_grouped, grouped_block_ok
+
+        if grouped_block_ok(block):
+            return fp8_moe_grouped(x, w13, s13, w2, s2, block, topk_weights, topk_ids)
     from lamina.kernels.moe import fused_moe
 
     return fused_moe(x, dequantize(w13, s13, block, x.dtype), dequantize(w2, s2, block, x.dtype), topk_weights,

@@ -8,9 +8,9 @@ its scales, in the same schemes as fp8.py's Linear format:
 Checkpoint names map here through families/common.py (experts.N.gate_proj.weight_scale_inv ->
 experts.gate_up_proj_weight_scale_inv, expert N, shard "gate").
 
-The matmul is kernels.fp8.fp8_fused_moe: FP8-reading GEMVs for CUDA decode; otherwise the stacks are
-dequantized for kernels.moe.fused_moe (the CPU reference; CUDA prefill, where it costs a pass over every
-expert per call until an FP8 grouped GEMM exists).
+The matmul is kernels.fp8.fp8_fused_moe: on CUDA FP8-reading GEMVs for decode and FP8-reading grouped
+GEMMs for more pairs (triton_fp8_moe_gemm.py); on the CPU the stacks are dequantized for
+kernels.moe.fused_moe (the reference).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ shard "gate" | "up"), repacked after loading into stacked grouped-integer layout
 gate_up [E, 2I, H/2] and down [E, H, I/2] (uint8), their scales/offsets [E, rows, K/G], and per-expert
 act-order permutations.
 
-The matmul runs expert by expert over the tokens routed to it (kernels/wq_matmul.wq_linear: the Triton
-kernel on CUDA, the CPU int4 path or the reference otherwise); a grouped 4-bit MoE kernel is not written yet.
+On CUDA the matmul is the grouped MoE GEMM that dequantizes in registers (kernels/triton_wq_moe.py: decode,
+prefill and CUDA-graph capture alike, no host syncs); elsewhere it runs expert by expert over the tokens
+routed to it (kernels/wq_matmul.wq_linear: the reference).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lamina.kernels.dispatch import use_triton
 from lamina.kernels.wq_matmul import wq_linear
 from lamina.models.weight_formats.base import ExpertFormat, clear_params, copy_checked, new_param, register_param
 from lamina.models.weight_formats.int4_gptq import gptq_layout
@@ -87,6 +89,7 @@ class GPTQExperts(ExpertFormat):
             layer.register_buffer(f"{proj}_scales", s)
             layer.register_buffer(f"{proj}_offsets", o)
             layer.__dict__[f"_{proj}_perms"] = perms
+            layer.__dict__[f"_{proj}_perm_stack"] = perm_stack(perms, q.shape[-1] * 2)
 
     def _linear(self, layer: nn.Module, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
         return wq_linear(x, getattr(layer, proj)[e], getattr(layer, f"{proj}_scales")[e],
@@ -94,6 +97,12 @@ class GPTQExperts(ExpertFormat):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            from lamina.kernels.triton_wq_moe import wq_moe_grouped
+
+            stacks = [t for p in _PROJ for t in (getattr(layer, p), getattr(layer, f"{p}_scales"),
+                                                 getattr(layer, f"{p}_offsets"), layer.__dict__[f"_{p}_perm_stack"])]
+            return wq_moe_grouped(x, *stacks, self.bits, topk_weights, topk_ids)
         out = torch.zeros_like(x)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             # No host-side routing counts inside a CUDA graph: every expert on every token, weighted by its
@@ -118,3 +127,13 @@ class GPTQExperts(ExpertFormat):
                 out.index_add_(0, idx, y * weights[start:start + c, None])
             start += c
         return out
+
+
+def perm_stack(perms: list[torch.Tensor | None], k: int) -> torch.Tensor | None:
+    """The experts' act-order column orders as one int32 [E, K] (identity rows for experts without one), or
+    None when no expert has one (the grouped kernel then reads the activations in order)."""
+    if all(p is None for p in perms):
+        return None
+    dev = next(p for p in perms if p is not None).device
+    ident = torch.arange(k, dtype=torch.int32, device=dev)
+    return torch.stack([ident if p is None else p.to(torch.int32) for p in perms]).contiguous()
