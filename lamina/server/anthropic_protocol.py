@@ -13,7 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lamina.sampling_params import SamplingParams
+from lamina.server.agent_plan import schema_constraint
 from lamina.server.errors import bad_request
+from lamina.structured.params import StructuredOutputsParams
 
 
 class _Body(BaseModel):
@@ -65,6 +67,7 @@ class CountTokensRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's place for output_config.format
 
     def conversation(self) -> list[dict]:
         """OpenAI-style messages: the system turn, then each message (tool results become `tool` turns)."""
@@ -103,9 +106,24 @@ class CountTokensRequest(_Body):
         return {} if self.thinking is None else {"enable_thinking": self.thinking.on}
 
     def check_supported(self) -> None:
+        if self.forced_tool() is not None and self.thinking is not None and self.thinking.on:
+            # As Anthropic's API: a forced tool call leaves no room for thinking first.
+            raise bad_request("thinking may not be enabled when tool_choice forces tool use (use tool_choice "
+                              "auto or none)", "tool_choice")
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """output_config.format (or the beta's output_format) as a JSON-schema constraint; 400 when malformed
+        or when the schema cannot be compiled."""
+        fmt, param = self.output_format, "output_format"
         if self.output_config is not None and self.output_config.format is not None:
-            raise bad_request("output_config.format (structured output) is not supported by this server",
-                              "output_config.format")
+            if fmt is not None:
+                raise bad_request("give output_config.format or output_format, not both", "output_format")
+            fmt, param = self.output_config.format, "output_config.format"
+        if fmt is None:
+            return None
+        if fmt.get("type") != "json_schema":
+            raise bad_request(f"{param}.type must be 'json_schema', got {fmt.get('type')!r}", f"{param}.type")
+        return schema_constraint(fmt.get("schema"), True, f"{param}.schema")
 
 
 class MessagesRequest(CountTokensRequest):
@@ -117,14 +135,16 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
 
-    def sampling_params(self, defaults: dict[str, Any], vocab_size: int) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any], vocab_size: int,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         def pick(value: Any, name: str, fallback: Any) -> Any:
             return value if value is not None else defaults.get(name, fallback)
 
         try:
             params = SamplingParams(temperature=pick(self.temperature, "temperature", 1.0),
                                     top_p=pick(self.top_p, "top_p", 1.0), top_k=pick(self.top_k, "top_k", 0),
-                                    stop=list(self.stop_sequences or []), max_tokens=self.max_tokens)
+                                    stop=list(self.stop_sequences or []), max_tokens=self.max_tokens,
+                                    structured_outputs=constraint)
             params.validate(vocab_size)
         except ValueError as e:
             param = getattr(e, "param", None)
