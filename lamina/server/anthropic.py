@@ -31,7 +31,6 @@ from lamina.server.conversation import Prompt, keeps_special_tokens, render_prom
 from lamina.server.errors import APIError, validation_error
 from lamina.server.serving import (
     SSE_HEADERS,
-    ClientDisconnected,
     ServerState,
     abort_unfinished,
     collect,
@@ -124,10 +123,7 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
     params = req.sampling_params(state.sampling_defaults, state.vocab_size, plan.constraint)
     params.skip_special_tokens = not keeps_special_tokens(state, tools, plan)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    try:
-        streams = await start_requests(state, raw, [prompt.ids], params, message_id, param="messages")
-    except ClientDisconnected:
-        return Response(status_code=499)
+    streams = await start_requests(state, raw, [prompt.ids], params, message_id, param="messages")
     splitter = splitter_for(state, prompt, tools, req.thinking is not None and req.thinking.on,
                             parallel_calls=req.tool_choice is None or not req.tool_choice.disable_parallel_tool_use,
                             plan=plan)
@@ -136,10 +132,7 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
         return StreamingResponse(_stream(state, streams, message_id, model, len(prompt.ids), splitter),
                                  media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
-    try:
-        (out,) = await collect(raw, state, streams)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    (out,) = await collect(raw, state, streams)
     comp = out.outputs[0]
     pieces, calls = splitter.finish(comp.text)
     stop_reason, stop_sequence = _stop(comp, calls)

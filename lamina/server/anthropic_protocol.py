@@ -10,37 +10,34 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from lamina.sampling_params import SamplingParams
 from lamina.server.agent_plan import schema_constraint
 from lamina.server.errors import bad_request
+from lamina.server.request_common import Body, checked_params, model_defaults
 from lamina.structured.params import StructuredOutputsParams
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class AnthropicMessage(_Body):
+class AnthropicMessage(Body):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
 
-class AnthropicTool(_Body):
+class AnthropicTool(Body):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     type: str | None = None  # "custom" or absent; Anthropic's server tools (web_search, ...) are refused
 
 
-class ToolChoice(_Body):
+class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class Thinking(_Body):
+class Thinking(Body):
     type: Literal["enabled", "adaptive", "between_tools", "disabled"]
     budget_tokens: int | None = Field(None, ge=1)  # not enforced: the model ends its thinking itself
     display: Literal["summarized", "omitted"] | None = None
@@ -50,16 +47,16 @@ class Thinking(_Body):
         return self.type != "disabled"
 
 
-class OutputConfig(_Body):
+class OutputConfig(Body):
     effort: str | None = None  # no effect here
     format: dict[str, Any] | None = None
 
 
-class Metadata(_Body):
+class Metadata(Body):
     user_id: str | None = None
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(Body):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -137,19 +134,11 @@ class MessagesRequest(CountTokensRequest):
 
     def sampling_params(self, defaults: dict[str, Any], vocab_size: int,
                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
-        def pick(value: Any, name: str, fallback: Any) -> Any:
-            return value if value is not None else defaults.get(name, fallback)
-
-        try:
-            params = SamplingParams(temperature=pick(self.temperature, "temperature", 1.0),
-                                    top_p=pick(self.top_p, "top_p", 1.0), top_k=pick(self.top_k, "top_k", 0),
-                                    stop=list(self.stop_sequences or []), max_tokens=self.max_tokens,
-                                    structured_outputs=constraint)
-            params.validate(vocab_size)
-        except ValueError as e:
-            param = getattr(e, "param", None)
-            raise bad_request(str(e), "stop_sequences" if param == "stop" else param) from None
-        return params
+        return checked_params(vocab_size, {"stop": "stop_sequences"},
+                              **model_defaults(defaults, temperature=self.temperature, top_p=self.top_p,
+                                               top_k=self.top_k),
+                              stop=list(self.stop_sequences or []), max_tokens=self.max_tokens,
+                              structured_outputs=constraint)
 
 
 def _system_text(system: str | list[dict[str, Any]]) -> str:

@@ -30,7 +30,6 @@ from lamina.server.response_store import ResponseStore, StoredResponse
 from lamina.server.responses_protocol import ResponsesRequest
 from lamina.server.serving import (
     SSE_HEADERS,
-    ClientDisconnected,
     ServerState,
     abort_unfinished,
     collect,
@@ -235,19 +234,13 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
     params = req.sampling_params(max_tokens, state.sampling_defaults, state.vocab_size, plan.constraint)
     params.skip_special_tokens = not keeps_special_tokens(state, tools, plan)
     run = _Run(req, state, store, history, len(prompt.ids))
-    try:
-        streams = await start_requests(state, raw, [prompt.ids], params, run.id, param="input")
-    except ClientDisconnected:
-        return Response(status_code=499)
+    streams = await start_requests(state, raw, [prompt.ids], params, run.id, param="input")
     splitter = splitter_for(state, prompt, tools, req.reasoning is not None and req.reasoning.on,
                             parallel_calls=req.parallel_tool_calls, plan=plan)
     if req.stream:
         return StreamingResponse(_stream(run, streams, splitter), media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
-    try:
-        (out,) = await collect(raw, state, streams)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    (out,) = await collect(raw, state, streams)
     run.output.finish(*splitter.finish(out.outputs[0].text))
     return JSONResponse(run.done(out))
 

@@ -9,21 +9,18 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from lamina.sampling_params import SamplingParams
 from lamina.server.agent_plan import schema_constraint
 from lamina.server.errors import bad_request
+from lamina.server.request_common import Body, checked_params, model_defaults
 from lamina.structured.params import StructuredOutputsParams
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class Reasoning(_Body):
+class Reasoning(Body):
     effort: str | None = None
     summary: str | None = None
 
@@ -32,7 +29,7 @@ class Reasoning(_Body):
         return self.effort != "none"
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(Body):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -110,18 +107,9 @@ class ResponsesRequest(_Body):
 
     def sampling_params(self, max_tokens: int | None, defaults: dict[str, Any], vocab_size: int,
                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
-        def pick(value: Any, name: str, fallback: Any) -> Any:
-            return value if value is not None else defaults.get(name, fallback)
-
-        try:
-            params = SamplingParams(temperature=pick(self.temperature, "temperature", 1.0),
-                                    top_p=pick(self.top_p, "top_p", 1.0), top_k=defaults.get("top_k", 0),
-                                    max_tokens=max_tokens, structured_outputs=constraint)
-            params.validate(vocab_size)
-        except ValueError as e:
-            param = getattr(e, "param", None)
-            raise bad_request(str(e), "max_output_tokens" if param == "max_tokens" else param) from None
-        return params
+        return checked_params(vocab_size, {"max_tokens": "max_output_tokens"},
+                              **model_defaults(defaults, temperature=self.temperature, top_p=self.top_p, top_k=None),
+                              max_tokens=max_tokens, structured_outputs=constraint)
 
 
 def _text(content: Any, where: str) -> str:
