@@ -311,6 +311,7 @@ class CoreClient:
             return
         results = []
         stops: list[SampleStop] = []
+        emitted = self._processor.num_emitted
         for d in msg.outputs:  # outside the lock: decoding must not hold up callers adding requests
             raw = self._assembler.apply(d)
             out, cut = self._processor.process(raw) if raw is not None else (None, [])
@@ -337,6 +338,9 @@ class CoreClient:
                 by_loop[stream.loop].append((stream, out))
         for loop, items in by_loop.items():
             deliver(loop, items)
+        # Only what reached the consumers: tokens the core made past a stop string (before its StopSamples
+        # arrived) are dropped above, and the core's own count would include them.
+        msg.iteration.num_generation_tokens = self._processor.num_emitted - emitted
         self.last_stats = msg.stats
         if msg.iteration.step_failed:
             self.num_step_failures += 1

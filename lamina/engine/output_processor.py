@@ -43,6 +43,9 @@ class OutputProcessor:
         self.detok = Detokenizer(tokenizer)
         self._reqs: dict[str, _Request] = {}
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
+        # Output tokens handed to consumers, a running total: tokens the core made after a stop string cut
+        # its sample are not among them (the generation-token metric counts these).
+        self.num_emitted = 0
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         self._reqs[request_id] = _Request(params)
@@ -78,7 +81,12 @@ class OutputProcessor:
             s = r.samples.get(c.index)
             if s is None:
                 s = r.samples[c.index] = _Sample(list(r.context), DetokState(0, len(r.context)))
-            comps.append(s.final if s.final is not None else self._advance(out.request_id, r.params, s, c, stops))
+            if s.final is not None:
+                comps.append(s.final)
+                continue
+            seen = s.num_tokens
+            comps.append(self._advance(out.request_id, r.params, s, c, stops))
+            self.num_emitted += s.num_tokens - seen
         finished = out.finished or (len(comps) >= r.params.n and all(c.finish_reason is not None for c in comps))
         if finished:
             del self._reqs[out.request_id]

@@ -33,11 +33,22 @@ class ToolCall:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
     def input(self) -> dict:
-        return json.loads(self.arguments)
+        """The arguments as an object; {} when they do not parse (a call cut short by max_tokens)."""
+        try:
+            value = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return {}
+        return value if isinstance(value, dict) else {}
 
 
 class Splitter(Protocol):
+    """feed(text so far) -> new text pieces; calls() -> the tool calls begun so far, in order (each one's
+    arguments a prefix of its final text, the same objects finish returns), for streaming them as they
+    grow; finish(whole text) -> the last pieces and every call."""
+
     def feed(self, text: str) -> list[Piece]: ...
+
+    def calls(self) -> list[ToolCall]: ...
 
     def finish(self, text: str) -> tuple[list[Piece], list[ToolCall]]: ...
 
@@ -71,6 +82,9 @@ class OutputSplitter:
 
     def feed(self, text: str) -> list[Piece]:
         return self._advance(self.prefix + text, final=False)
+
+    def calls(self) -> list[ToolCall]:
+        return []  # Hermes calls are read whole, at the end
 
     def finish(self, text: str) -> tuple[list[Piece], list[ToolCall]]:
         full = self.prefix + text
@@ -180,7 +194,7 @@ class ParsedSplitter:
         self.reasoning, self.prefix = reasoning, prefix
         self.tools = tool_parser.streamer() if tool_parser is not None else None
         self._sent_reasoning = self._sent_content = 0
-        self._calls: dict[int, list[str]] = {}  # index -> [name, arguments so far]
+        self._calls: dict[int, ToolCall] = {}  # index -> the call, its arguments so far
 
     def _step(self, text: str, final: bool) -> list[Piece]:
         text = self.prefix + text
@@ -202,17 +216,22 @@ class ParsedSplitter:
         if delta:
             out.append(("text", delta))
         for d in calls:
-            entry = self._calls.setdefault(d.index, ["", ""])
-            entry[0] = d.name or entry[0]
-            entry[1] += d.arguments
+            call = self._calls.setdefault(d.index, ToolCall(name="", arguments=""))
+            call.name = d.name or call.name
+            call.arguments += d.arguments
         return out
 
     def feed(self, text: str) -> list[Piece]:
         return self._step(text, final=False)
 
+    def calls(self) -> list[ToolCall]:
+        return [c for _, c in sorted(self._calls.items())]
+
     def finish(self, text: str) -> tuple[list[Piece], list[ToolCall]]:
         pieces = self._step(text, final=True)
-        calls = [ToolCall(name=n, arguments=a or "{}") for _, (n, a) in sorted(self._calls.items())]
+        calls = self.calls()
+        for c in calls:
+            c.arguments = c.arguments or "{}"
         return pieces, calls
 
 
@@ -236,6 +255,9 @@ class OneCall:
 
     def feed(self, text: str) -> list[Piece]:
         return self.inner.feed(text)
+
+    def calls(self) -> list[ToolCall]:
+        return self.inner.calls()[:1]
 
     def finish(self, text: str) -> tuple[list[Piece], list[ToolCall]]:
         pieces, calls = self.inner.finish(text)

@@ -25,12 +25,12 @@ from starlette.background import BackgroundTask
 
 from lamina.outputs import CompletionOutput, RequestOutput
 from lamina.server.agent_output import Piece, Splitter, ToolCall
+from lamina.server.agent_plan import AgentPlan, plan_agent
 from lamina.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from lamina.server.conversation import Prompt, forced_prefill, keeps_special_tokens, render_prompt, splitter_for
+from lamina.server.conversation import Prompt, keeps_special_tokens, render_prompt, splitter_for
 from lamina.server.errors import APIError, validation_error
 from lamina.server.serving import (
     SSE_HEADERS,
-    ClientDisconnected,
     ServerState,
     abort_unfinished,
     collect,
@@ -66,16 +66,17 @@ class AnthropicRoute(APIRoute):
         return route
 
 
-def _prompt(req: CountTokensRequest, state: ServerState) -> tuple[Prompt, list[dict] | None]:
-    tools = req.openai_tools()
-    forced = req.forced_tool()
-    prefill = forced_prefill(state, forced, tools)
-    return render_prompt(state, req.conversation(), tools, req.template_kwargs(), prefill), tools
+def _prompt(req: CountTokensRequest, state: ServerState) -> tuple[Prompt, AgentPlan]:
+    """The prompt and the plan of a request (forced tool calls and output_config.format are constraints)."""
+    req.check_supported()
+    choice = req.tool_choice
+    plan = plan_agent(req.openai_tools(), req.forced_tool(), choice is None or not choice.disable_parallel_tool_use,
+                      req.output_constraint(), "output_config.format")
+    return render_prompt(state, req.conversation(), plan.tools, req.template_kwargs()), plan
 
 
 async def count_tokens(req: CountTokensRequest, state: ServerState) -> JSONResponse:
     state.check_model(req.model)
-    req.check_supported()
     prompt, _ = _prompt(req, state)
     return JSONResponse({"input_tokens": len(prompt.ids)})
 
@@ -116,27 +117,22 @@ def _blocks(pieces: list[Piece], calls: list[ToolCall]) -> list[dict]:
 
 async def create_message(req: MessagesRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
-    req.check_supported()
-    prompt, tools = _prompt(req, state)
+    prompt, plan = _prompt(req, state)
+    tools = plan.tools
     state.check_max_tokens(len(prompt.ids), req.max_tokens)
-    params = req.sampling_params(state.sampling_defaults, state.vocab_size)
-    params.skip_special_tokens = not keeps_special_tokens(state, tools)
+    params = req.sampling_params(state.sampling_defaults, state.vocab_size, plan.constraint)
+    params.skip_special_tokens = not keeps_special_tokens(state, tools, plan)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    try:
-        streams = await start_requests(state, raw, [prompt.ids], params, message_id, param="messages")
-    except ClientDisconnected:
-        return Response(status_code=499)
+    streams = await start_requests(state, raw, [prompt.ids], params, message_id, param="messages")
     splitter = splitter_for(state, prompt, tools, req.thinking is not None and req.thinking.on,
-                            parallel_calls=req.tool_choice is None or not req.tool_choice.disable_parallel_tool_use)
+                            parallel_calls=req.tool_choice is None or not req.tool_choice.disable_parallel_tool_use,
+                            plan=plan)
     model = req.model or state.model_name
     if req.stream:
         return StreamingResponse(_stream(state, streams, message_id, model, len(prompt.ids), splitter),
                                  media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
-    try:
-        (out,) = await collect(raw, state, streams)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    (out,) = await collect(raw, state, streams)
     comp = out.outputs[0]
     pieces, calls = splitter.finish(comp.text)
     stop_reason, stop_sequence = _stop(comp, calls)
@@ -151,10 +147,12 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 
 class _Blocks:
-    """The open content block of a stream: a new kind of piece closes it and opens the next."""
+    """The open content block of a stream: a new kind of piece closes it and opens the next. A tool_use
+    block opens once its call's name is known and takes its arguments as input_json_delta fragments."""
 
     def __init__(self) -> None:
         self.index, self.kind = -1, None
+        self.sent: dict[str, tuple[int, int]] = {}  # call id -> (block index, argument characters sent)
 
     def pieces(self, pieces: list[Piece]) -> list[str]:
         out = []
@@ -176,14 +174,21 @@ class _Blocks:
         self.kind = None
         return [_event("content_block_stop", {"index": self.index})]
 
-    def tool(self, call: ToolCall) -> list[str]:
-        out = self.close()
-        self.index += 1
-        block = {**_tool_use(call), "input": {}}
-        out.append(_event("content_block_start", {"index": self.index, "content_block": block}))
-        out.append(_event("content_block_delta", {"index": self.index, "delta": {
-            "type": "input_json_delta", "partial_json": call.arguments}}))
-        out.append(_event("content_block_stop", {"index": self.index}))
+    def calls(self, calls: list[ToolCall]) -> list[str]:
+        """Events for the calls' growth since the last time (a new call opens its block)."""
+        out = []
+        for call in calls:
+            if call.id not in self.sent:
+                out += self.close()
+                self.index, self.kind = self.index + 1, ("tool", call.id)
+                self.sent[call.id] = (self.index, 0)
+                out.append(_event("content_block_start", {"index": self.index,
+                                                          "content_block": {**_tool_use(call), "input": {}}}))
+            index, done = self.sent[call.id]
+            if len(call.arguments) > done:
+                out.append(_event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": call.arguments[done:]}}))
+                self.sent[call.id] = (index, len(call.arguments))
         return out
 
 
@@ -201,18 +206,13 @@ async def _stream(state: ServerState, streams, message_id: str, model: str, num_
                     "stop_reason": None, "stop_sequence": None, "usage": _usage(num_prompt, out, 0)}})
                 yield _event("ping", {})
             if comp.finish_reason is None:
-                for e in blocks.pieces(splitter.feed(comp.text)):
+                for e in blocks.pieces(splitter.feed(comp.text)) + blocks.calls(splitter.calls()):
                     yield e
                 continue
             pieces, calls = splitter.finish(comp.text)
             stop_reason, stop_sequence = _stop(comp, calls)
-            for e in blocks.pieces(pieces):
+            for e in blocks.pieces(pieces) + blocks.calls(calls) + blocks.close():
                 yield e
-            for e in blocks.close():
-                yield e
-            for call in calls:
-                for e in blocks.tool(call):
-                    yield e
             yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                            "usage": _usage(num_prompt, out, len(comp.token_ids))})
             yield _event("message_stop", {})

@@ -10,35 +10,34 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from lamina.sampling_params import SamplingParams
+from lamina.server.agent_plan import schema_constraint
 from lamina.server.errors import bad_request
+from lamina.server.request_common import Body, checked_params, model_defaults
+from lamina.structured.params import StructuredOutputsParams
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class AnthropicMessage(_Body):
+class AnthropicMessage(Body):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
 
-class AnthropicTool(_Body):
+class AnthropicTool(Body):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     type: str | None = None  # "custom" or absent; Anthropic's server tools (web_search, ...) are refused
 
 
-class ToolChoice(_Body):
+class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class Thinking(_Body):
+class Thinking(Body):
     type: Literal["enabled", "adaptive", "between_tools", "disabled"]
     budget_tokens: int | None = Field(None, ge=1)  # not enforced: the model ends its thinking itself
     display: Literal["summarized", "omitted"] | None = None
@@ -48,16 +47,16 @@ class Thinking(_Body):
         return self.type != "disabled"
 
 
-class OutputConfig(_Body):
+class OutputConfig(Body):
     effort: str | None = None  # no effect here
     format: dict[str, Any] | None = None
 
 
-class Metadata(_Body):
+class Metadata(Body):
     user_id: str | None = None
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(Body):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -65,6 +64,7 @@ class CountTokensRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's place for output_config.format
 
     def conversation(self) -> list[dict]:
         """OpenAI-style messages: the system turn, then each message (tool results become `tool` turns)."""
@@ -103,9 +103,24 @@ class CountTokensRequest(_Body):
         return {} if self.thinking is None else {"enable_thinking": self.thinking.on}
 
     def check_supported(self) -> None:
+        if self.forced_tool() is not None and self.thinking is not None and self.thinking.on:
+            # As Anthropic's API: a forced tool call leaves no room for thinking first.
+            raise bad_request("thinking may not be enabled when tool_choice forces tool use (use tool_choice "
+                              "auto or none)", "tool_choice")
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """output_config.format (or the beta's output_format) as a JSON-schema constraint; 400 when malformed
+        or when the schema cannot be compiled."""
+        fmt, param = self.output_format, "output_format"
         if self.output_config is not None and self.output_config.format is not None:
-            raise bad_request("output_config.format (structured output) is not supported by this server",
-                              "output_config.format")
+            if fmt is not None:
+                raise bad_request("give output_config.format or output_format, not both", "output_format")
+            fmt, param = self.output_config.format, "output_config.format"
+        if fmt is None:
+            return None
+        if fmt.get("type") != "json_schema":
+            raise bad_request(f"{param}.type must be 'json_schema', got {fmt.get('type')!r}", f"{param}.type")
+        return schema_constraint(fmt.get("schema"), True, f"{param}.schema")
 
 
 class MessagesRequest(CountTokensRequest):
@@ -117,19 +132,13 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
 
-    def sampling_params(self, defaults: dict[str, Any], vocab_size: int) -> SamplingParams:
-        def pick(value: Any, name: str, fallback: Any) -> Any:
-            return value if value is not None else defaults.get(name, fallback)
-
-        try:
-            params = SamplingParams(temperature=pick(self.temperature, "temperature", 1.0),
-                                    top_p=pick(self.top_p, "top_p", 1.0), top_k=pick(self.top_k, "top_k", 0),
-                                    stop=list(self.stop_sequences or []), max_tokens=self.max_tokens)
-            params.validate(vocab_size)
-        except ValueError as e:
-            param = getattr(e, "param", None)
-            raise bad_request(str(e), "stop_sequences" if param == "stop" else param) from None
-        return params
+    def sampling_params(self, defaults: dict[str, Any], vocab_size: int,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        return checked_params(vocab_size, {"stop": "stop_sequences"},
+                              **model_defaults(defaults, temperature=self.temperature, top_p=self.top_p,
+                                               top_k=self.top_k),
+                              stop=list(self.stop_sequences or []), max_tokens=self.max_tokens,
+                              structured_outputs=constraint)
 
 
 def _system_text(system: str | list[dict[str, Any]]) -> str:

@@ -30,7 +30,6 @@ from lamina.server.responses import (
 from lamina.server.serving import (
     SSE_DONE,
     SSE_HEADERS,
-    ClientDisconnected,
     Sent,
     ServerState,
     abort_unfinished,
@@ -86,10 +85,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
         return StreamingResponse(_stream(req, plan, state, streams, request_id, ids),
                                  media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
-    try:
-        (out,) = await collect(raw, state, streams)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    (out,) = await collect(raw, state, streams)
     choices = []
     echo = _echo(req)
     for comp in out.outputs:

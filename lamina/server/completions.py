@@ -24,7 +24,6 @@ from lamina.server.responses import CompletionChoice, CompletionLogprobs, Comple
 from lamina.server.serving import (
     SSE_DONE,
     SSE_HEADERS,
-    ClientDisconnected,
     Sent,
     ServerState,
     abort_unfinished,
@@ -54,19 +53,14 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs come from the prompt pass
         params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    try:  # the engine checks the prompts (length, token ids): its ValueError is a 400 on "prompt"
-        streams = await start_requests(state, raw, prompt_ids, params, request_id)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    # The engine checks the prompts (length, token ids): its ValueError is a 400 on "prompt".
+    streams = await start_requests(state, raw, prompt_ids, params, request_id)
     echoes = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompt_ids]
     if req.stream:
         return StreamingResponse(_stream(req, state, streams, request_id, prompt_ids, echoes),
                                  media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
-    try:
-        finals = await collect(raw, state, streams)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    finals = await collect(raw, state, streams)
     choices = []
     completion_tokens = 0
     for i, out in enumerate(finals):

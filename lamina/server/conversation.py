@@ -16,7 +16,17 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from lamina.server.agent_output import CALL_CLOSE, CALL_OPEN, THINK_OPEN, OneCall, Splitter, make_splitter
+from lamina.server.agent_output import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    THINK_OPEN,
+    OneCall,
+    OutputSplitter,
+    ParsedSplitter,
+    Splitter,
+    make_splitter,
+)
+from lamina.server.agent_plan import AgentPlan
 from lamina.server.errors import bad_request
 from lamina.server.serving import ServerState
 
@@ -122,9 +132,14 @@ def _configured_parsers(state: ServerState) -> tuple[Any, Any]:
 
 
 def splitter_for(state: ServerState, prompt: Prompt, tools: list[dict] | None, thinking: bool,
-                 parallel_calls: bool = True) -> Splitter:
+                 parallel_calls: bool = True, plan: AgentPlan | None = None) -> Splitter:
     """The output splitter of one reply: the server's configured parsers win over the built-in `<think>` /
-    Hermes formats. Without parallel_calls only the first tool call is kept."""
+    Hermes formats. Without parallel_calls only the first tool call is kept. A constrained reply (plan) is
+    JSON from its first token: a forced call's is read by the plan's parser, an output format's is text."""
+    if plan is not None and plan.forced_parser is not None:
+        return ParsedSplitter(None, plan.forced_parser)
+    if plan is not None and plan.constraint is not None:
+        return OutputSplitter()
     reasoning_cls, tool_cls = _configured_parsers(state)
     if not parallel_calls:
         return OneCall(splitter_for(state, prompt, tools, thinking))
@@ -132,26 +147,10 @@ def splitter_for(state: ServerState, prompt: Prompt, tools: list[dict] | None, t
                          starts_in_reasoning=prompt.starts_in_reasoning, prefix=prompt.prefill)
 
 
-def keeps_special_tokens(state: ServerState, tools: list[dict] | None) -> bool:
-    """Whether the reply must be detokenized with its special tokens (a tool format whose markers are)."""
+def keeps_special_tokens(state: ServerState, tools: list[dict] | None, plan: AgentPlan | None = None) -> bool:
+    """Whether the reply must be detokenized with its special tokens (a tool format whose markers are; a
+    constrained reply is plain JSON)."""
+    if plan is not None and plan.constraint is not None:
+        return False
     _, tool_cls = _configured_parsers(state)
     return bool(tools) and tool_cls is not None and bool(getattr(tool_cls, "needs_special_tokens", False))
-
-
-def forced_prefill(state: ServerState, choice: str | None, tools: list[dict] | None) -> str:
-    """forced_call_prefill for the built-in Hermes format; nothing when the server has its own tool parser
-    (whose format the opening would not match)."""
-    return "" if getattr(state, "tool_call_parser", None) else forced_call_prefill(choice, tools or [])
-
-
-def forced_call_prefill(choice: str | None, tools: list[dict]) -> str:
-    """The opening of a Hermes call placed at the start of the reply when a call is required ("any": some
-    tool; a name: that tool). A prompt-level nudge for models that use this format; schema-exact calls are
-    the job of structured output."""
-    if choice is None or not tools:
-        return ""
-    if choice == "any":
-        if len(tools) > 1:
-            return f"{CALL_OPEN}\n"
-        choice = tools[0]["function"]["name"]
-    return f'{CALL_OPEN}\n{{"name": {json.dumps(choice)}, "arguments": '

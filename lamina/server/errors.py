@@ -10,7 +10,7 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("lamina.server")
@@ -32,6 +32,11 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready (its requests are aborted): answered 499, which
+    nobody reads, so that the handlers need not catch it."""
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -67,6 +72,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -8,22 +8,18 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from lamina.sampling_params import MAX_LOGPROBS, SamplingParams
 from lamina.server.errors import bad_request
+from lamina.server.request_common import Body, checked_params, model_defaults
 from lamina.structured.params import StructuredOutputsError, StructuredOutputsParams
 
 # vLLM's older per-kind fields (before `structured_outputs`), still sent by many clients.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-class _Body(BaseModel):
-    # NaN/inf would slip past range checks written as comparisons, so refuse them at parse time.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk (with include_usage)
 
@@ -41,7 +37,7 @@ def check_constraint(spec: StructuredOutputsParams | None, param: str) -> None:
         raise bad_request(str(e), param) from None
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -138,28 +134,17 @@ class _Sampling(_Body):
         constraint: the structured-output constraint (default: output_constraint())."""
         if constraint is None:
             constraint = self.output_constraint()
-        d = defaults or {}
-
-        def pick(value: Any, name: str, fallback: Any) -> Any:
-            return value if value is not None else d.get(name, fallback)
-
-        try:
-            params = SamplingParams(
-                n=self.n, temperature=pick(self.temperature, "temperature", 1.0),
-                top_p=pick(self.top_p, "top_p", 1.0), top_k=pick(self.top_k, "top_k", 0),
-                min_p=pick(self.min_p, "min_p", 0.0),
-                repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-                stop=self.stop, stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens,
-                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
-                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, structured_outputs=constraint,
-                prompt_logprobs=self.prompt_logprobs)
-            params.validate(vocab_size)
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e), getattr(e, "param", None)) from None
-        return params
+        return checked_params(
+            vocab_size, n=self.n,
+            **model_defaults(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                             min_p=self.min_p, repetition_penalty=self.repetition_penalty),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            stop=self.stop, stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, structured_outputs=constraint,
+            prompt_logprobs=self.prompt_logprobs)
 
 
 Prompt = list[int] | list[list[int]] | str | list[str]
@@ -196,12 +181,12 @@ class CompletionRequest(_Sampling):
         return out
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: str  # any role: the chat template renders it or refuses it (a 400 naming the template's reason)
     content: str | list[TextPart | dict[str, Any]] | None = None
     name: str | None = None
@@ -294,7 +279,7 @@ def check_continue(add_generation_prompt: bool, continue_final_message: bool, me
                           "continue_final_message")
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -304,6 +289,6 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]

@@ -23,13 +23,13 @@ from starlette.background import BackgroundTask
 
 from lamina.outputs import RequestOutput
 from lamina.server.agent_output import Piece, Splitter, ToolCall
-from lamina.server.conversation import forced_prefill, keeps_special_tokens, render_prompt, splitter_for
+from lamina.server.agent_plan import plan_agent
+from lamina.server.conversation import keeps_special_tokens, render_prompt, splitter_for
 from lamina.server.errors import APIError
 from lamina.server.response_store import ResponseStore, StoredResponse
 from lamina.server.responses_protocol import ResponsesRequest
 from lamina.server.serving import (
     SSE_HEADERS,
-    ClientDisconnected,
     ServerState,
     abort_unfinished,
     collect,
@@ -48,7 +48,8 @@ class _Output:
 
     def __init__(self) -> None:
         self.items: list[dict] = []
-        self.open: dict | None = None  # the reasoning or message item receiving deltas
+        self.open: dict | None = None  # the reasoning, message or function_call item receiving deltas
+        self._calls: dict[str, dict] = {}  # splitter call id -> its function_call item
         self.seq = 0
 
     def event(self, kind: str, **data: Any) -> str:
@@ -57,7 +58,7 @@ class _Output:
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def _where(self) -> dict:
-        return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+        return {"item_id": self.open["id"], "output_index": self.items.index(self.open)}
 
     def pieces(self, pieces: list[Piece]) -> list[str]:
         out: list[str] = []
@@ -94,35 +95,45 @@ class _Output:
         item = self.open
         if item is None:
             return []
+        self.open = None
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        if item["type"] == "function_call":
+            item["status"] = "completed"
+            return [self.event("response.function_call_arguments.done", **where, name=item["name"],
+                               arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=where["output_index"], item=item)]
         part = item["content"][0]
         kind = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
         extra = {} if item["type"] == "reasoning" else {"logprobs": []}
-        out = [self.event(kind, **self._where(), content_index=0, text=part["text"], **extra),
-               self.event("response.content_part.done", **self._where(), content_index=0, part=part)]
+        out = [self.event(kind, **where, content_index=0, text=part["text"], **extra),
+               self.event("response.content_part.done", **where, content_index=0, part=part)]
         item["status"] = "completed"
-        out.append(self.event("response.output_item.done", output_index=len(self.items) - 1, item=item))
-        self.open = None
-        return out
-
-    def call(self, call: ToolCall) -> list[str]:
-        out = self.close()
-        item = {"type": "function_call", "id": _id("fc"), "call_id": f"call_{call.id}", "name": call.name,
-                "arguments": "", "status": "in_progress"}
-        self.items.append(item)
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        out.append(self.event("response.output_item.added", output_index=where["output_index"], item=dict(item)))
-        out.append(self.event("response.function_call_arguments.delta", **where, delta=call.arguments))
-        out.append(self.event("response.function_call_arguments.done", **where, name=call.name,
-                              arguments=call.arguments))
-        item.update(arguments=call.arguments, status="completed")
         out.append(self.event("response.output_item.done", output_index=where["output_index"], item=item))
         return out
 
-    def finish(self, pieces: list[Piece], calls: list[ToolCall]) -> list[str]:
-        out = self.pieces(pieces) + self.close()
+    def calls(self, calls: list[ToolCall]) -> list[str]:
+        """Events for the calls' growth since the last time: a new call opens its function_call item, then its
+        arguments arrive as function_call_arguments deltas."""
+        out: list[str] = []
         for call in calls:
-            out += self.call(call)
+            item = self._calls.get(call.id)
+            if item is None:
+                out += self.close()
+                item = {"type": "function_call", "id": _id("fc"), "call_id": f"call_{call.id}", "name": call.name,
+                        "arguments": "", "status": "in_progress"}
+                self.items.append(item)
+                self._calls[call.id] = self.open = item
+                out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                      item=dict(item)))
+            if len(call.arguments) > len(item["arguments"]):
+                delta = call.arguments[len(item["arguments"]):]
+                item["arguments"] = call.arguments
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=self.items.index(item), delta=delta))
         return out
+
+    def finish(self, pieces: list[Piece], calls: list[ToolCall]) -> list[str]:
+        return self.pieces(pieces) + self.calls(calls) + self.close()
 
     def assistant_message(self) -> dict:
         """This output as the chat message a follow-up request's history holds."""
@@ -134,13 +145,22 @@ class _Output:
                 reasoning.append(item["content"][0]["text"])
             else:
                 calls.append({"id": item["call_id"], "type": "function",
-                              "function": {"name": item["name"], "arguments": json.loads(item["arguments"])}})
+                              "function": {"name": item["name"], "arguments": _arguments(item["arguments"])}})
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
         if calls:
             msg["tool_calls"] = calls
         if reasoning:
             msg["reasoning_content"] = "".join(reasoning)
         return msg
+
+
+def _arguments(text: str) -> dict:
+    """A call's arguments for the history; {} for ones max_output_tokens cut short."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class _Run:
@@ -172,7 +192,8 @@ class _Run:
                 "tool_choice": r.tool_choice or "auto", "parallel_tool_calls": r.parallel_tool_calls,
                 "previous_response_id": r.previous_response_id, "store": self.stored,
                 "reasoning": r.reasoning.model_dump() if r.reasoning else None, "metadata": r.metadata or {},
-                "text": {"format": {"type": "text"}}, "truncation": r.truncation or "disabled", "background": False,
+                "text": {"format": (r.text or {}).get("format") or {"type": "text"}},
+                "truncation": r.truncation or "disabled", "background": False,
                 "usage": usage, "user": r.user}
 
     def done(self, out: RequestOutput) -> dict:
@@ -204,27 +225,22 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
                         *history[1:]]
         else:
             messages = [{"role": "system", "content": req.instructions}, *history]
-    tools = req.openai_tools()
-    prefill = forced_prefill(state, req.forced_tool(), tools)
-    prompt = render_prompt(state, messages, tools, req.template_kwargs(), prefill)
+    plan = plan_agent(req.openai_tools(), req.forced_tool(), req.parallel_tool_calls, req.output_constraint(),
+                      "text.format")
+    tools = plan.tools
+    prompt = render_prompt(state, messages, tools, req.template_kwargs())
     state.check_max_tokens(len(prompt.ids), req.max_output_tokens)
     max_tokens = req.max_output_tokens or state.sampling_defaults.get("max_tokens")
-    params = req.sampling_params(max_tokens, state.sampling_defaults, state.vocab_size)
-    params.skip_special_tokens = not keeps_special_tokens(state, tools)
+    params = req.sampling_params(max_tokens, state.sampling_defaults, state.vocab_size, plan.constraint)
+    params.skip_special_tokens = not keeps_special_tokens(state, tools, plan)
     run = _Run(req, state, store, history, len(prompt.ids))
-    try:
-        streams = await start_requests(state, raw, [prompt.ids], params, run.id, param="input")
-    except ClientDisconnected:
-        return Response(status_code=499)
+    streams = await start_requests(state, raw, [prompt.ids], params, run.id, param="input")
     splitter = splitter_for(state, prompt, tools, req.reasoning is not None and req.reasoning.on,
-                            parallel_calls=req.parallel_tool_calls)
+                            parallel_calls=req.parallel_tool_calls, plan=plan)
     if req.stream:
         return StreamingResponse(_stream(run, streams, splitter), media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(abort_unfinished, state, streams))
-    try:
-        (out,) = await collect(raw, state, streams)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    (out,) = await collect(raw, state, streams)
     run.output.finish(*splitter.finish(out.outputs[0].text))
     return JSONResponse(run.done(out))
 
@@ -237,7 +253,7 @@ async def _stream(run: _Run, streams, splitter: Splitter):
         async for _, out in merge(streams):
             comp = out.outputs[0]
             if comp.finish_reason is None:
-                for e in o.pieces(splitter.feed(comp.text)):
+                for e in o.pieces(splitter.feed(comp.text)) + o.calls(splitter.calls()):
                     yield e
                 continue
             for e in o.finish(*splitter.finish(comp.text)):

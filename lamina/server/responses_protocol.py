@@ -9,19 +9,18 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from lamina.sampling_params import SamplingParams
+from lamina.server.agent_plan import schema_constraint
 from lamina.server.errors import bad_request
+from lamina.server.request_common import Body, checked_params, model_defaults
+from lamina.structured.params import StructuredOutputsParams
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class Reasoning(_Body):
+class Reasoning(Body):
     effort: str | None = None
     summary: str | None = None
 
@@ -30,7 +29,7 @@ class Reasoning(_Body):
         return self.effort != "none"
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(Body):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -50,10 +49,24 @@ class ResponsesRequest(_Body):
     user: str | None = None
 
     def check_supported(self) -> None:
+        if self.text is not None and not isinstance(self.text.get("format") or {}, dict):
+            raise bad_request("text.format must be an object", "text.format")
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """text.format as a constraint: json_object, or json_schema (its `strict`, on unless false, decides
+        whether properties the schema does not name may appear); 400 when malformed or uncompilable."""
         fmt = (self.text or {}).get("format") or {}
-        if fmt.get("type", "text") != "text":
-            raise bad_request("text.format other than 'text' (structured output) is not supported by this server",
-                              "text.format")
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+                raise bad_request("text.format.name is required for a json_schema format", "text.format.name")
+            return schema_constraint(fmt.get("schema"), fmt.get("strict") is not False, "text.format.schema")
+        raise bad_request(f"unsupported text.format type {kind!r}: use text, json_object or json_schema",
+                          "text.format.type")
 
     def conversation(self) -> list[dict]:
         """This request's input as OpenAI chat messages (without the instructions, which do not carry over
@@ -92,19 +105,11 @@ class ResponsesRequest(_Body):
     def template_kwargs(self) -> dict[str, Any]:
         return {} if self.reasoning is None else {"enable_thinking": self.reasoning.on}
 
-    def sampling_params(self, max_tokens: int | None, defaults: dict[str, Any], vocab_size: int) -> SamplingParams:
-        def pick(value: Any, name: str, fallback: Any) -> Any:
-            return value if value is not None else defaults.get(name, fallback)
-
-        try:
-            params = SamplingParams(temperature=pick(self.temperature, "temperature", 1.0),
-                                    top_p=pick(self.top_p, "top_p", 1.0), top_k=defaults.get("top_k", 0),
-                                    max_tokens=max_tokens)
-            params.validate(vocab_size)
-        except ValueError as e:
-            param = getattr(e, "param", None)
-            raise bad_request(str(e), "max_output_tokens" if param == "max_tokens" else param) from None
-        return params
+    def sampling_params(self, max_tokens: int | None, defaults: dict[str, Any], vocab_size: int,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        return checked_params(vocab_size, {"max_tokens": "max_output_tokens"},
+                              **model_defaults(defaults, temperature=self.temperature, top_p=self.top_p, top_k=None),
+                              max_tokens=max_tokens, structured_outputs=constraint)
 
 
 def _text(content: Any, where: str) -> str:

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from lamina.engine.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
 from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
-from lamina.server.errors import APIError, bad_request
+from lamina.server.errors import APIError, ClientDisconnected, bad_request
 from lamina.server.metrics import ServerMetrics
 
 # Most sequences (prompts x n) one request may start: a bound on what one client takes from the others.
@@ -158,10 +158,6 @@ class Sent:
     text: int = 0
     tokens: int = 0
     done: bool = False
-
-
-class ClientDisconnected(Exception):
-    pass
 
 
 async def collect(raw: Request, state: ServerState, streams: list[RequestStream]) -> list[RequestOutput]:

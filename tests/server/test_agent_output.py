@@ -2,13 +2,12 @@
 templates without tool support. Oracle: the whole text split at once, and hand-written expectations."""
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 
 from lamina.server.agent_output import OutputSplitter, parse_hermes_calls
-from lamina.server.conversation import _inline_tools, forced_call_prefill
+from lamina.server.conversation import _inline_tools
 
 REPLY = ('<think>\nThe user wants the weather.\n</think>\n\nLet me look.<tool_call>\n'
          '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
@@ -79,12 +78,49 @@ def test_inline_tools_for_a_template_without_tool_support():
     assert all(set(m) == {"role", "content"} for m in out)
 
 
-def test_forced_call_prefill():
-    tools = [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}]
-    assert forced_call_prefill(None, tools) == ""
-    assert forced_call_prefill("any", tools) == "<tool_call>\n"
-    assert json.loads(forced_call_prefill("b", tools).split("\n", 1)[1] + "{}}") == {"name": "b", "arguments": {}}
-    assert forced_call_prefill("any", tools[:1]).endswith('"name": "a", "arguments": ')
+@pytest.mark.parametrize("step", [1, 3, 10_000])
+def test_forced_calls_stream_as_they_grow(step):
+    """A forced call's constrained JSON (plan_agent's formats) read by the plan's splitter: calls() grows
+    by prefixes, its objects are the ones finish returns, and the arguments are the tool's."""
+    from lamina.server.agent_plan import plan_agent
+    from lamina.server.conversation import Prompt, splitter_for
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    cases = [("any", '[{"name": "g", "parameters": {"x": [1, 2]}}, {"name": "f", "parameters": {}}]',
+              [("g", {"x": [1, 2]}), ("f", {})]),
+             ("f", '{"y": "a,b"}', [("f", {"y": "a,b"})])]
+    for forced, reply, want in cases:
+        plan = plan_agent(tools, forced, True, None, "x")
+        assert plan.forced and plan.constraint.json is not None
+        s = splitter_for(SimpleNamespace(), Prompt([1], False, ""), tools, thinking=True, plan=plan)
+        seen: dict[str, str] = {}
+        for end in range(step, len(reply), step):
+            assert s.feed(reply[:end]) == []
+            for c in s.calls():
+                assert c.arguments.startswith(seen.get(c.id, ""))
+                seen[c.id] = c.arguments
+        pieces, calls = s.finish(reply)
+        assert pieces == [] and [(c.name, c.input()) for c in calls] == want
+        assert all(c.arguments.startswith(seen.get(c.id, "")) for c in calls)
+        assert all(c.id in {x.id for x in calls} for c in s.calls())
+
+
+def test_one_output_constraint_per_request():
+    from lamina.server.agent_plan import plan_agent, schema_constraint
+    from lamina.server.errors import APIError
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    fmt = schema_constraint({"type": "object"}, True, "text.format.schema")
+    with pytest.raises(APIError, match="one output constraint"):
+        plan_agent(tools, "any", True, fmt, "text.format")
+    with pytest.raises(APIError, match="missing"):
+        plan_agent(tools, "missing", True, None, "text.format")
+    with pytest.raises(APIError) as e:
+        schema_constraint({"type": "object", "properties": {"a": {"type": "nope"}}}, True, "text.format.schema")
+    assert e.value.param == "text.format.schema"
+    plan = plan_agent(tools, None, True, fmt, "text.format")
+    assert plan.constraint is fmt and not plan.forced
 
 
 class _Split:
@@ -142,7 +178,7 @@ def test_parsers_named_at_start_up_are_used(monkeypatch):
     import types
 
     from lamina.server.agent_output import ParsedSplitter
-    from lamina.server.conversation import Prompt, forced_prefill, keeps_special_tokens, splitter_for
+    from lamina.server.conversation import Prompt, keeps_special_tokens, splitter_for
 
     monkeypatch.setattr(_Calls, "needs_special_tokens", True, raising=False)
     reasoning_mod = types.ModuleType("lamina.server.reasoning")
@@ -156,8 +192,6 @@ def test_parsers_named_at_start_up_are_used(monkeypatch):
     s = splitter_for(state, Prompt([1], False, "", "tail"), tools, thinking=False)
     assert isinstance(s, ParsedSplitter) and s.reasoning.prompt_text == "tail" and s.tools is not None
     assert keeps_special_tokens(state, tools) and not keeps_special_tokens(state, None)
-    assert forced_prefill(state, "any", tools) == ""  # the configured format, not Hermes, is expected
-    assert forced_prefill(SimpleNamespace(), "any", tools).startswith("<tool_call>")
 
 
 def test_parallel_calls_off_keeps_the_first():

@@ -61,3 +61,39 @@ def test_vllm_named_metrics_on_the_server(client, server):
     assert m["lamina:iteration_tokens_total_sum"] >= before["lamina:iteration_tokens_total_sum"] + 6
     assert m["lamina:num_preemptions_total"] >= 0 and m["lamina:num_requests_waiting_by_reason"] == 0
     assert m["lamina:cache_config_info"] == 1
+
+
+def test_generation_tokens_count_only_what_was_emitted(llm_engine):
+    """The core counts every token it made, including the ones after a stop string that it made before the
+    client's StopSamples reached it; the client's count is what the consumer got (the oracle: the output's
+    own token ids, the stop token last)."""
+    from lamina.engine.core_client import CoreClient
+    from lamina.engine.engine import EngineStats
+    from lamina.engine.ipc import CompletionDelta, OutputDelta, StepOutputs
+
+    class Recorder:
+        generated = 0
+
+        def on_iteration(self, it, stats) -> None:
+            self.generated += it.num_generation_tokens
+
+    tok = llm_engine.tokenizer
+    ids = tok("One two three four five six seven eight", add_special_tokens=False).input_ids
+    rec = Recorder()
+    client = CoreClient(backend=None, observer=rec, tokenizer=tok)
+    client._dead = "no core here: StopSamples is not sent"
+    client._assembler.start("r", None)
+    client._processor.add("r", SamplingParams(n=2, max_tokens=50, stop=[" four"]))
+
+    def step(i: int, new: dict[int, list[int]], first: bool = False) -> None:
+        it = IterationStats(num_generation_tokens=sum(len(t) for t in new.values()))  # the core's count
+        delta = OutputDelta("r", False, [CompletionDelta(k, t) for k, t in new.items()],
+                            prompt_token_ids=[1, 2] if first else None)
+        client._on_step(StepOutputs(i, [delta], it, EngineStats(0, 0, 1, 1)))
+
+    step(0, {0: ids[:2], 1: ids[:1]}, first=True)
+    step(1, {0: ids[2:5], 1: ids[1:2]})  # sample 0 reaches " four" and one token past it
+    step(2, {0: ids[5:7], 1: ids[2:3]})  # the core kept going on sample 0 until the stop arrived
+    k = next(n for n in range(1, len(ids) + 1) if " four" in tok.decode(ids[:n]))
+    assert k < 5  # the stop token came in step 1, with a token after it
+    assert rec.generated == k + 3, (rec.generated, k)  # sample 0 through its stop token, sample 1's three

@@ -89,7 +89,7 @@ def test_function_call_items_and_tools(client):
 @pytest.mark.parametrize("body, words", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text only"),
     ({"tools": [{"type": "web_search"}]}, "web_search"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),  # json_schema and json_object: constraints
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "not valid JSON"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
 ])

@@ -4,6 +4,7 @@ OpenAI's shapes, and the 400s for bad constraints and logit_bias."""
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -55,7 +56,6 @@ def test_json_schema_validates_on_20_prompts(oai):
 def test_structured_outputs_regex_choice_on_completions(oai):
     out = oai.completions.create(model="smollm2-135m-instruct", prompt="The code is", max_tokens=12,
                                  temperature=1.0, n=3, extra_body={"structured_outputs": {"regex": r"[A-F]{4}-\d{2}"}})
-    import re
     assert all(re.fullmatch(r"[A-F]{4}-\d{2}", c.text) for c in out.choices)
     out = oai.chat.completions.create(model="smollm2-135m-instruct", max_tokens=5, temperature=1.0,
                                       messages=[{"role": "user", "content": "Pick one."}],
@@ -167,3 +167,24 @@ def test_logits_controls(oai):
     banned = oai.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=8,
                                     temperature=0, extra_body={"bad_words": ["Paris"]}).choices[0].text
     assert "Paris" not in banned
+
+
+def test_the_readmes_serve_snippets_run(tool_server, capsys):
+    """The README's Python under "Serve" against a server started as it says (tool parser, auto choice):
+    every snippet runs as written, and the forced calls it prints match their schemas."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Serve", 1)[1].split("\n## ", 1)[0]
+    code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
+    assert "anthropic.Anthropic" in code and "tool_choice" in code and "json_schema" in code
+    scope: dict = {}
+    exec(compile(code.replace("http://127.0.0.1:8000", tool_server.base_url), "README.md", "exec"), scope)
+    weather = scope["weather"]["function"]["parameters"]
+    jsonschema.validate(json.loads(scope["call"].arguments), weather)
+    jsonschema.validate(scope["use"].input, weather)
+    if scope["reply"].status == "completed":  # sampled: 64 tokens may cut the JSON short
+        jsonschema.validate(json.loads(scope["reply"].output_text), scope["schema"])
+    if scope["msg"].stop_reason == "end_turn":
+        jsonschema.validate(json.loads(scope["msg"].content[0].text), scope["schema"])
+    assert capsys.readouterr().out
