@@ -81,6 +81,8 @@ def test_gdn_conv_decode_without_pools():
     assert rel_err(got, want) < TOL[torch.float32]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter (CI); on CUDA the real "
+                    "backend refuses CPU tensors, and the GPU kernel tests cover the kernels")
 def test_gdn_layer_decode_fusions_match_the_unfused_layer(monkeypatch):
     """A GatedDeltaNet decode step through both decode fusions (conv + recurrent step, gated norm + out_proj;
     the CUDA check bypassed so they run through the interpreter) against the same layer's unfused CPU path:

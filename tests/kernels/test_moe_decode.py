@@ -166,6 +166,8 @@ def test_moe_decode_dispatch_on_cpu_is_the_reference():
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter (CI); on CUDA the real "
+                    "backend refuses CPU tensors, and the GPU kernel tests cover the kernels")
 @pytest.mark.parametrize("fold", [True, False])
 def test_sparse_moe_layer_fused_path(fold, monkeypatch):
     """SparseMoE's decode dispatch hands the layer's own tensors (router rows incl. the folded shared gate,

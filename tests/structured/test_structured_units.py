@@ -167,3 +167,43 @@ def test_bench_json_schema_flag(tmp_path):
     f.write_text('{"type": "object"}')
     assert request_extras('{"top_k": 5}', str(f)) == {"top_k": 5, "structured_outputs": {"json": {"type": "object"}}}
     assert request_extras("{}", None) == {}
+
+
+def test_manager_bitmask_batch_fill_equals_one_matcher_at_a_time():
+    """The step's mask (single-row grammars filled together over threads, a verify run row by row, a
+    terminated grammar and an unconstrained row left all ones) equals each matcher filled on its own."""
+    xg = pytest.importorskip("xgrammar")
+    from types import SimpleNamespace
+
+    from lamina.structured.manager import StructuredOutputManager
+    from lamina.structured.state import GrammarState
+
+    tok = _tokenizer()
+    mgr = StructuredOutputManager(tok, len(tok), [tok.eos_token_id], torch.device("cpu"))
+    compiled = mgr.compiler.compile(SO(json={"type": "object", "properties": {"a": {"type": "string"}},
+                                             "required": ["a"]}))
+    texts = ['{"a": "x', '{"a', "", '{"a": "yz"}']
+    seqs = []
+    for text in texts:
+        st = GrammarState(compiled)
+        for t in tok(text, add_special_tokens=False).input_ids:
+            assert st.accept(t)
+        seqs.append(SimpleNamespace(grammar=st, finished=False, draft_token_ids=[], params=SamplingParams(),
+                                    output_token_ids=[]))
+    seqs.append(SimpleNamespace(grammar=None, finished=False, draft_token_ids=[], params=SamplingParams(),
+                                output_token_ids=[]))
+    verify = seqs[1]
+    verify.draft_token_ids = tok('": "', add_special_tokens=False).input_ids[:2]
+    rows = [seqs[0], verify, verify, verify, seqs[2], seqs[3], seqs[4]]
+    offsets = [0, 0, 1, 2, 0, 0, 0]
+    got = mgr.bitmask(rows, offsets).clone()
+    want = torch.full_like(got, -1)
+    seqs[0].grammar.matcher.fill_next_token_bitmask(want, 0)
+    verify.grammar.fill(want, 1, verify.draft_token_ids, 3)
+    seqs[2].grammar.matcher.fill_next_token_bitmask(want, 4)
+    if not seqs[3].grammar.terminated:
+        seqs[3].grammar.matcher.fill_next_token_bitmask(want, 5)
+    assert torch.equal(got, want)
+    assert not torch.equal(got[0], got[4])  # different states, different masks
+    assert bool((got[6] == -1).all())
+    del xg
