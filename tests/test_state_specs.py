@@ -40,7 +40,10 @@ def old_kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     """The KV pool's bytes per block as computed before state specs: K and V of every attention layer."""
     item = torch.empty((), dtype=dtype).element_size()
     n_attn = sum(1 for s in cfg.layers if s.mixer in KV_MIXERS)
-    return n_attn * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * item
+    # MLA layers (DeepSeek presets) keep one latent + rope-key row per token instead of K and V.
+    n_mla = sum(1 for s in cfg.layers if s.mixer == "mla")
+    latent = n_mla * block_size * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * item if n_mla else 0
+    return n_attn * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * item + latent
 
 
 def old_bytes_per_slot(cfg, dtype: torch.dtype) -> int:
