@@ -14,20 +14,20 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-class TimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, plus a deadline for the request line and headers: a connection that has not
-    sent a whole request head within `header_timeout` seconds of connecting (or of its previous response,
-    once it starts sending the next request) is closed."""
+class HeadDeadline:
+    """The request-head deadline, mixed into one of uvicorn's HTTP protocols (before it in the bases): the
+    timer is armed on connecting and whenever a request head is incomplete, disarmed once it is whole, and on
+    expiry the connection is closed if _head_pending() (nothing of a response is under way)."""
 
     header_timeout: float = 10.0
 
     @classmethod
-    def with_timeout(cls, seconds: float) -> type[TimeoutH11Protocol]:
+    def with_timeout(cls, seconds: float) -> type:
         return type(cls.__name__, (cls,), {"header_timeout": seconds})
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
@@ -39,6 +39,24 @@ class TimeoutH11Protocol(H11Protocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _head_pending(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing() and self._head_pending():
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+class TimeoutH11Protocol(HeadDeadline, H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for the request line and headers: a connection that has not
+    sent a whole request head within `header_timeout` seconds of connecting (or of its previous response,
+    once it starts sending the next request) is closed."""
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
@@ -46,15 +64,8 @@ class TimeoutH11Protocol(H11Protocol):
         else:
             self._disarm_head_timer()
 
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            if self.cycle is None or self.cycle.response_complete:  # not in the middle of a response
-                self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_timer()
-        super().connection_lost(exc)
+    def _head_pending(self) -> bool:
+        return self.conn.their_state is h11.IDLE and super()._head_pending()
 
 
 def head_timeout_protocol(kind: str, seconds: float) -> type:

@@ -201,3 +201,15 @@ def test_sparse_moe_layer_fused_path(fold, monkeypatch):
     assert rel_err(got, want.double()) < 1e-5
     monkeypatch.setenv("LAMINA_FUSED_MOE_DECODE", "0")
     assert layers.moe_decode_path.fused_decode(layer, x) is None
+
+
+def test_fused_path_refuses_grouped_routing(monkeypatch):
+    """DeepSeek's grouped top-k (sigmoid scores, groups, a correction bias) is not what the routing kernel
+    computes: such a layer keeps its unfused path even where the fused one would run."""
+    from types import SimpleNamespace
+
+    from lamina.models.layers import moe_decode_path
+
+    monkeypatch.setattr(moe_decode_path, "use_triton", lambda x: True)
+    layer = SimpleNamespace(grouped=True)  # no gate/experts: touching them would raise
+    assert moe_decode_path.fused_decode(layer, torch.randn(2, 8)) is None

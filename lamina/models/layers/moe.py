@@ -96,7 +96,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A few tokens on CUDA with softmax top-k routing: routing + experts + sum in three launches.
-        out = None if self.grouped else fused_decode(self, x)
+        out = fused_decode(self, x)
         if out is None:
             if self.grouped:
                 weights, ids = self.gate(x)

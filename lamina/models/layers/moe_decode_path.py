@@ -1,7 +1,8 @@
 """Which SparseMoE calls take the fused decode kernels (kernels/moe_decode.py): routing in one launch and the
 sum over experts folded into the down projection, for at most MAX_TOKENS tokens on CUDA with dense router
-and expert weights. Everything else (CPU, prefill-sized batches, quantized experts, tensor-parallel router)
-keeps the layer's unfused path. LAMINA_FUSED_MOE_DECODE=0 switches the fused path off."""
+and expert weights and softmax top-k routing. Everything else (CPU, prefill-sized batches, quantized experts,
+tensor-parallel router, DeepSeek's grouped routing) keeps the layer's unfused path. LAMINA_FUSED_MOE_DECODE=0
+switches the fused path off."""
 from __future__ import annotations
 
 import os
@@ -21,6 +22,8 @@ def fused_decode(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     is not one the fused path takes. `layer` is a SparseMoE; its `route_counter` holds the kernel's counter."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or not use_triton(x) or x.dim() != 2 or \
             not 1 <= x.shape[0] <= MAX_TOKENS:
+        return None
+    if getattr(layer, "grouped", False):  # the kernel routes softmax top-k only
         return None
     gate, experts = layer.gate, layer.experts
     if type(gate.format) is not DenseFormat or gate.format.partition is not None or gate.bias is not None or \
