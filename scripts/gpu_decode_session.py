@@ -53,7 +53,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(os.environ.get("OUT") or ROOT / "decode_session")
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OUT=str(out), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
     summary: dict = {}
     subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw",

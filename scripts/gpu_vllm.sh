@@ -55,8 +55,8 @@ serve)
     if [ $side = vllm ]; then
       vllm serve $ck --port 8011 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 \
         --no-enable-prefix-caching > "$OUT/serve_$side.log" 2>&1 & pid=$!
-    else
-      python3 -m lamina.cli serve $ck --port 8011 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+    else  # lamina's own wheels first: the kit's older xgrammar would shadow the batch mask fill
+      PYTHONPATH=$PWD:/tmp/site:/tmp/vsite python3 -m lamina.cli serve $ck --port 8011 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --gpu-memory-utilization 0.85 --no-enable-prefix-caching > "$OUT/serve_$side.log" 2>&1 & pid=$!
     fi
     for _ in $(seq 400); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 0.5; done

@@ -177,6 +177,7 @@ def test_linear_takes_the_dispatcher_when_switched_on(monkeypatch):
     lin = lin.to(torch.float16)
     want = F.linear(x.double(), lin.weight.double(), lin.bias.double())
     assert rel_err(lin(x), want) < TOL[torch.float16]  # CPU: F.linear
+    x, lin, want = x.to(DEV), lin.to(DEV), want.to(DEV)  # the kernel runs natively on a GPU, interpreted on a CPU
     monkeypatch.setattr(gemv_mod, "use_triton", lambda t: True)
     calls = []
     orig = gemv_mod.GemvDispatcher.__call__
