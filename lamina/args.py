@@ -80,6 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
         p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help)
     else:
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: the model's)")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts and outputs are token ids only (default: off)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, metavar="DTYPE",
                    help="weights and activations: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32 "
                         "(default: auto)")
@@ -136,7 +139,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 state_snapshot_interval=args.state_snapshot_interval, warmup=args.warmup,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 speculative_config=getattr(args, "speculative_config", None),
-                dequantize_gguf=getattr(args, "dequantize_gguf", False))
+                dequantize_gguf=getattr(args, "dequantize_gguf", False), tokenizer=getattr(args, "tokenizer", None),
+                skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False))
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

@@ -29,7 +29,9 @@ class EngineConfig:
     # capped at 10% of device memory) and the spacing of the periodic ones in tokens (a multiple of block_size).
     num_state_snapshots: int | None = None
     state_snapshot_interval: int = 256
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # a tokenizer directory other than the model's
+    # No tokenizer at all (vLLM's flag): prompts and outputs are token ids only, as for random: models.
+    skip_tokenizer_init: bool = False
     # Dummy requests through the step loop at start-up, so the first requests pay no Triton compilation
     # (engine/warmup.py). Default: on for CUDA.
     warmup: bool | None = None

@@ -32,7 +32,8 @@ def load_model_and_tokenizer(config: EngineConfig, dtype: torch.dtype, device: t
     """(model config, tokenizer or None, the loaded model with its RoPE table built)."""
     source = resolve_source(config.model)
     model_config, reader = read_config(source)
-    tokenizer = load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer)
+    tokenizer = (None if config.skip_tokenizer_init else
+                 load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer))
     max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
     model = load_model(source, model_config, reader, dtype, device, max_pos, progress, config.quantization,
                        keep_quantized=not config.dequantize_gguf)

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -155,8 +156,13 @@ def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lamina").setLevel(log_level)
     import torch
+    from tqdm import tqdm
 
     from lamina.engine.engine import LLMEngine
+
+    # tqdm's default lock is a multiprocessing one, made by the first bar (the weight loader's); this process
+    # ends through os._exit, so the resource tracker would report it as a leaked semaphore at shutdown.
+    tqdm.set_lock(threading.RLock())
 
     ctx = zmq.Context()
     inbox, outbox = connect(ctx, addrs)

@@ -47,6 +47,10 @@ def resolve_source(model: str) -> ModelSource:
         "nor a directory with config.json (lamina never downloads from a model hub)")
 
 
+# Files one of which an HF directory needs for AutoTokenizer (a slow-only tokenizer ships the last two).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
@@ -54,6 +58,9 @@ def load_tokenizer(source: ModelSource):
         return None  # token-id prompts only
     if source.kind == "gguf":
         return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    if not any((source.path / f).is_file() for f in TOKENIZER_FILES):  # else transformers' 5-line puzzle
+        raise ValueError(f"{source.path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): pass --tokenizer DIR, "
+                         "or --skip-tokenizer-init to take and return token ids only")
     return AutoTokenizer.from_pretrained(str(source.path))
 
 

@@ -78,6 +78,8 @@ def load_engine_tokenizer(config: EngineConfig):
     """The tokenizer the engine of `config` uses, loaded in this process (None for `random:` models)."""
     from lamina.models.loader import load_tokenizer, resolve_source
 
+    if config.skip_tokenizer_init:
+        return None
     if config.tokenizer is not None:
         from transformers import AutoTokenizer
 

@@ -188,3 +188,22 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_checkpoint_server_exits_without_leaked_semaphores(tmp_path):
+    """A checkpoint on disk goes through the weight loader's progress bar, whose default lock is a
+    multiprocessing semaphore; the core process ends through os._exit, so without a thread lock the
+    resource tracker reports it as leaked at shutdown."""
+    from server_helpers import start_server as start
+
+    from lamina.bench.checkpoint import save_random_checkpoint
+
+    ck = save_random_checkpoint("tiny-llama", tmp_path / "ck", dtype="float32")
+    with pytest.raises(RuntimeError, match="has no tokenizer .*--skip-tokenizer-init"):  # one line, not a puzzle
+        start([], 180, str(ck), base_args=["--max-model-len", "512", "--kv-cache-memory-gb", "0.05"])
+    server = start(["--skip-tokenizer-init"], 180, str(ck), base_args=["--max-model-len", "512", "--kv-cache-memory-gb", "0.05"])
+    r = httpx.post(server.api_url + "/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    server.proc.send_signal(signal.SIGTERM)
+    _assert_clean_exit(server, 20)
+    assert "leaked semaphore" not in server.log_path.read_text()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One H200 call for the night merge: each helper's GPU script with its own time limit, every output packed
+# into one archive (a call returns at most 8 files). Carry .whl (lamina's wheels) and .gpu (tokenizers, text).
+# Usage (repo root, on the GPU machine): OUT=dir scripts/gpu_night.sh [stage ...]   (default: all stages)
+set -uo pipefail
+OUT=${OUT:-./gpu_out}; mkdir -p "$OUT/night"; OUT=$(cd "$OUT" && pwd); N=$OUT/night
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  > "$N/pip.log" 2>&1 || tail -3 "$N/pip.log"
+export PYTHONPATH=$PWD:/tmp/site XDG_CACHE_HOME=$PWD/.gpu/xdg
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+stage() {  # name, limit in seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS; mkdir -p "$N/$name"
+  OUT=$N/$name timeout "$limit" "$@" > "$N/$name.log" 2>&1
+  echo "===== $name: rc $? in $((SECONDS - t0)) s ====="
+  tail -n "${TAIL:-25}" "$N/$name.log"
+}
+all=("$@")
+sel() { [ ${#all[@]} -eq 0 ] || [[ " ${all[*]} " == *" $1 "* ]]; }
+sel attention && stage attention 200 python3 scripts/gpu_attention_bench.py
+sel families && stage families 320 python3 scripts/gpu_families_bench.py
+sel spec && stage spec 320 python3 scripts/gpu_spec_bench.py
+sel structured && stage structured 150 bash scripts/gpu_structured.sh
+(cd "$OUT" && tar czf night.tgz night)
+ls -la "$OUT/night.tgz"
