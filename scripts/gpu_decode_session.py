@@ -53,7 +53,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(os.environ.get("OUT") or ROOT / "decode_session")
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OUT=str(out), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep the carried wheels
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=path)
     start = time.perf_counter()
     summary: dict = {}
     subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw",

@@ -199,9 +199,10 @@ def test_checkpoint_server_exits_without_leaked_semaphores(tmp_path):
     from lamina.bench.checkpoint import save_random_checkpoint
 
     ck = save_random_checkpoint("tiny-llama", tmp_path / "ck", dtype="float32")
+    small = ["--max-model-len", "512", "--kv-cache-memory-gb", "0.05"]
     with pytest.raises(RuntimeError, match="has no tokenizer .*--skip-tokenizer-init"):  # one line, not a puzzle
-        start([], 180, str(ck), base_args=["--max-model-len", "512", "--kv-cache-memory-gb", "0.05"])
-    server = start(["--skip-tokenizer-init"], 180, str(ck), base_args=["--max-model-len", "512", "--kv-cache-memory-gb", "0.05"])
+        start([], 180, str(ck), base_args=small)
+    server = start(["--skip-tokenizer-init"], 180, str(ck), base_args=small)
     r = httpx.post(server.api_url + "/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, r.text
     server.proc.send_signal(signal.SIGTERM)
