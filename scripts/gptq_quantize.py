@@ -109,24 +109,25 @@ def _hessians(layer: nn.Module, linears: dict[str, nn.Linear], hidden: list[torc
 
 
 def _solve(w: torch.Tensor, h: torch.Tensor | None, fmt: str, method: str, bits: int, group: int,
-           act_order: bool, sym: bool, damp: float):
+           act_order: bool, sym: bool, damp: float, mse: bool):
     """One (possibly fused) weight -> GptqResult (fmt "gptq") or Fp8Weight (fmt "fp8")."""
     if fmt == "fp8":
         return fp8_rtn_quantize(w) if method == "rtn" else fp8_gptq_quantize(w, h, act_order, damp)
     if method == "rtn":
-        return rtn_quantize(w, bits, group, sym)
-    return gptq_quantize(w, h, bits, group, act_order, sym, damp)
+        return rtn_quantize(w, bits, group, sym, mse)
+    return gptq_quantize(w, h, bits, group, act_order, sym, damp, mse=mse)
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, samples: list[torch.Tensor], bits: int = 4, group: int = 128,
                    act_order: bool = False, sym: bool = False, damp: float = 0.01, log=print,
-                   fmt: str = "gptq", method: str = "gptq") -> dict[str, object]:
+                   fmt: str = "gptq", method: str = "gptq", mse: bool = False) -> dict[str, object]:
     """Quantizes every nn.Linear inside the decoder layers, in place (weights replaced by their quantized
     values, so `model` becomes the dequantized reference). fmt "gptq": 4-bit groups (GptqResult); "fp8":
     e4m3 with row scales (Fp8Weight). method "gptq": error feedback with calibration Hessians (linears that
     share an input are solved as one row-stacked weight, which is exactly the same as solving each: rows are
-    independent given H); "rtn": round-to-nearest (samples unused). Runs on the model's device.
+    independent given H); "rtn": round-to-nearest (samples unused). mse: int4 group scales and zeros fitted
+    by a search (gptq_solver._group_params) instead of min-max. Runs on the model's device.
     Returns {linear name: result}."""
     if method == "rtn":
         hidden, kwargs = [], {}
@@ -144,7 +145,8 @@ def quantize_model(model: nn.Module, samples: list[torch.Tensor], bits: int = 4,
         for owner, (h, count) in stats.items():
             names = [owner] + [n for n, o in shares.items() if o == owner]
             w = torch.cat([linears[n].weight for n in names])
-            r = _solve(w, None if h is None else h / max(count, 1), fmt, method, bits, group, act_order, sym, damp)
+            r = _solve(w, None if h is None else h / max(count, 1), fmt, method, bits, group, act_order, sym, damp,
+                       mse)
             start = 0
             for n in names:
                 m = linears[n]
@@ -236,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--act-order", action="store_true")
     ap.add_argument("--sym", action="store_true")
     ap.add_argument("--damp", type=float, default=0.01, help="Hessian dampening, a share of its mean diagonal")
+    ap.add_argument("--mse", action="store_true", help="int4: fit group scales/zeros by a search, not min-max")
     ap.add_argument("--device", default="cpu", help="where the model runs and the solver computes (cpu, cuda)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -257,7 +260,7 @@ def quantize_loaded(model: nn.Module, tok, args: argparse.Namespace) -> dict[str
                                                           args.seq_len)]
         print(f"calibrating on {len(samples)} x {args.seq_len} tokens of {args.calib_text}")
     results = quantize_model(model, samples, args.bits, args.group, args.act_order, args.sym, args.damp,
-                             fmt=args.fmt, method=args.method)
+                             fmt=args.fmt, method=args.method, mse=getattr(args, "mse", False))
     write_checkpoint(model, results, Path(args.out), args.bits, args.group, args.act_order, args.sym, tok, args.fmt)
     return results
 

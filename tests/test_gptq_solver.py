@@ -116,3 +116,38 @@ def test_fp8_feedback_beats_round_to_nearest_on_the_output_error(act_order):
     err_r = (x.double() @ r.dequantize().double().T - want).norm()
     assert err_g < 0.8 * err_r, (err_g, err_r)
     assert g.q.float().isfinite().all()
+
+
+def q4_1_like(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Weights already on a GGUF Q4_1-style grid: per 32 columns, min + d * (0..15) with a float min."""
+    d = torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 0.005
+    m = -d * (torch.rand(n, k // 32, 1, generator=gen) * 15)
+    return (m + d * torch.randint(0, 16, (n, k // 32, 32), generator=gen)).reshape(n, k)
+
+
+def test_mse_fit_lowers_the_rounding_error_of_weights_on_another_grid():
+    gen = torch.Generator().manual_seed(8)
+    w = q4_1_like(64, 128, gen)
+    plain, fit = rtn_quantize(w, group=32), rtn_quantize(w, group=32, mse=True)
+    e_plain, e_fit = (plain.dequantize() - w).norm(), (fit.dequantize() - w).norm()
+    assert e_fit < 0.85 * e_plain, (e_fit, e_plain)
+    assert fit.zeros.min() >= 1 and fit.zeros.max() <= 15 and fit.q.min() >= 0 and fit.q.max() <= 15
+    # per group and row, never worse than min-max (the min-max candidate is one of those searched)
+    per = lambda r: ((r.dequantize() - w) ** 2).reshape(64, 4, 32).sum(-1)  # noqa: E731
+    assert (per(fit) <= per(plain) + 1e-12).all()
+    g = torch.randn(16, 64, generator=gen)
+    assert torch.equal(gptq_quantize(g, torch.eye(64), group=32, damp=0.0, mse=True).q,
+                       rtn_quantize(g, group=32, mse=True).q)  # identity Hessian: still round-to-nearest
+
+
+@pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
+def test_gptq_with_mse_fit_beats_round_to_nearest(sym):
+    gen = torch.Generator().manual_seed(9)
+    x = correlated_inputs(512, 128, gen)
+    w = q4_1_like(48, 128, gen)
+    h = x.T.double() @ x.double() / 512
+    want = x.double() @ w.double().T
+    err = lambda r: (x.double() @ r.dequantize().double().T - want).norm()  # noqa: E731
+    g = gptq_quantize(w, h, group=32, act_order=True, sym=sym, mse=True)
+    assert err(g) < 0.8 * err(rtn_quantize(w, group=32, sym=sym, mse=True))
+    assert g.zeros.min() >= 1 and g.q.max() <= 15  # still v1-storable

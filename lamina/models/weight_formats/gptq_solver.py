@@ -39,11 +39,21 @@ class GptqResult:
         return GptqResult(self.q[sl].clone(), self.zeros[sl].clone(), self.scales[sl].clone(), self.g_idx.clone())
 
 
-def _group_params(w: torch.Tensor, maxq: int, sym: bool, min_zero: int) -> tuple[torch.Tensor, torch.Tensor]:
+FIT_SHRINK = (0.75, 1.10, 36)  # --mse: scale factors tried around the min-max scale (linspace arguments)
+
+
+def _group_params(w: torch.Tensor, maxq: int, sym: bool, min_zero: int, mse: bool = False,
+                  weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (scale, zero) of a column group w [N, g], min-max over the range widened to include 0. The
     scale is rounded to fp16 here (the checkpoint's dtype), so the error feedback sees the stored weight.
     min_zero 1: GPTQ v1 stores zero - 1 in 4 bits, so a zero of 0 cannot be written; such rows (every value
-    >= 0) get one more step of scale instead."""
+    >= 0) get one more step of scale instead.
+
+    mse: also try scales from FIT_SHRINK times the min-max one, each with the min-max zero point and its
+    neighbours (a shifted grid: weights that already sit on another 4-bit grid, e.g. a GGUF Q4_1 model's,
+    fit an integer-zero grid badly at min-max), and keep per row the candidate with the least squared
+    rounding error over the group, weighted per column by `weight` [g] (e.g. the Hessian's diagonal); the
+    min-max candidate is among them, so the fit is never worse by that measure."""
     xmin = w.min(dim=1).values.clamp(max=0)
     xmax = w.max(dim=1).values.clamp(min=0)
     if sym:
@@ -60,7 +70,21 @@ def _group_params(w: torch.Tensor, maxq: int, sym: bool, min_zero: int) -> tuple
         low = zero < min_zero
         scale = torch.where(low, (xmax - xmin) / (maxq - min_zero), scale)
         zero = torch.where(low, torch.full_like(zero, min_zero), zero)
-    return scale.half().double().clamp_min(1e-8), zero
+    scale = scale.half().double().clamp_min(1e-8)
+    if not mse:
+        return scale, zero
+    f = torch.linspace(*FIT_SHRINK, dtype=torch.float64, device=w.device)[:, None]
+    s = (f * (xmax - xmin) / maxq).half().double().clamp_min(1e-8)  # [C, N]
+    z0 = zero if sym else torch.round(-xmin / ((xmax - xmin) / maxq))
+    shifts = (0,) if sym else (-1, 0, 1)
+    cand_s = torch.cat([scale[None]] + [s] * len(shifts))
+    cand_z = torch.cat([zero[None]] + [(z0 + d).clamp(min_zero, maxq).expand_as(s) for d in shifts])
+    q = torch.clamp(torch.round(w[None] / cand_s[..., None]) + cand_z[..., None], 0, maxq)
+    err = ((q - cand_z[..., None]) * cand_s[..., None] - w[None]) ** 2
+    if weight is not None:
+        err = err * weight.to(err.dtype)
+    best = err.sum(-1).argmin(0, keepdim=True)  # [1, N]: ties keep the earliest, the min-max candidate first
+    return cand_s.gather(0, best)[0], cand_z.gather(0, best)[0]
 
 
 def inverse_hessian_factor(h: torch.Tensor, perm: torch.Tensor, damp: float) -> torch.Tensor:
@@ -104,15 +128,18 @@ def prepare_columns(w: torch.Tensor, h: torch.Tensor,
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int = 4, group: int = 128, act_order: bool = False,
-                  sym: bool = False, damp: float = 0.01, block: int = 128, min_zero: int = 1) -> GptqResult:
+                  sym: bool = False, damp: float = 0.01, block: int = 128, min_zero: int = 1,
+                  mse: bool = False) -> GptqResult:
     """w [N, K] (any float dtype), h [K, K] = X^T X / n -> the GPTQ quantization of w (computed in fp64 on
-    w's device; the result is on the CPU)."""
+    w's device; the result is on the CPU). mse: fit each group's scale and zero by _group_params' search,
+    weighting its columns by the Hessian's diagonal (their share of the output error)."""
     n, k = w.shape
     if k % group:
         raise ValueError(f"group size {group} does not divide the {k} input columns")
     maxq = 2 ** bits - 1
     w, h, perm = prepare_columns(w, h, act_order)
     w = w[:, perm]
+    hdiag = torch.diag(h)[perm]
     u = inverse_hessian_factor(h, perm, damp)
     block = max(group, block // group * group)  # groups never straddle blocks
     dev = w.device
@@ -122,7 +149,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int = 4, group: int = 
 
     def round_column(col: int, w1: torch.Tensor, j: int) -> torch.Tensor:
         if col % group == 0:
-            s, z = _group_params(w1[:, j:j + group], maxq, sym, min_zero)
+            s, z = _group_params(w1[:, j:j + group], maxq, sym, min_zero, mse, hdiag[col:col + group])
             scales[:, col // group], zeros[:, col // group] = s, z
         s, z = scales[:, col // group], zeros[:, col // group]
         qc = torch.clamp(torch.round(w1[:, j] / s) + z, 0, maxq)
@@ -136,12 +163,14 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int = 4, group: int = 
                       g_idx.to(torch.int32))
 
 
-def rtn_quantize(w: torch.Tensor, bits: int = 4, group: int = 128, sym: bool = False) -> GptqResult:
-    """Round-to-nearest with the same groups and parameters (the baseline GPTQ improves on)."""
+def rtn_quantize(w: torch.Tensor, bits: int = 4, group: int = 128, sym: bool = False,
+                 mse: bool = False) -> GptqResult:
+    """Round-to-nearest with the same groups and parameters (the baseline GPTQ improves on); mse: the fitted
+    scales and zeros of _group_params' search (unweighted)."""
     n, k = w.shape
     maxq = 2 ** bits - 1
     wg = w.detach().double().cpu().reshape(n, k // group, group)
-    params = [_group_params(wg[:, g], maxq, sym, 1) for g in range(k // group)]
+    params = [_group_params(wg[:, g], maxq, sym, 1, mse) for g in range(k // group)]
     s = torch.stack([p[0] for p in params], 1)
     z = torch.stack([p[1] for p in params], 1)
     q = torch.clamp(torch.round(wg / s[..., None]) + z[..., None], 0, maxq).reshape(n, k)
