@@ -39,7 +39,7 @@ class GptqResult:
         return GptqResult(self.q[sl].clone(), self.zeros[sl].clone(), self.scales[sl].clone(), self.g_idx.clone())
 
 
-FIT_SHRINK = (0.75, 1.10, 36)  # --mse: scale factors tried around the min-max scale (linspace arguments)
+FIT_SHRINK = (0.80, 1.10, 21)  # --mse: scale factors tried around the min-max scale (linspace arguments)
 
 
 def _group_params(w: torch.Tensor, maxq: int, sym: bool, min_zero: int, mse: bool = False,
@@ -79,10 +79,11 @@ def _group_params(w: torch.Tensor, maxq: int, sym: bool, min_zero: int, mse: boo
     shifts = (0,) if sym else (-1, 0, 1)
     cand_s = torch.cat([scale[None]] + [s] * len(shifts))
     cand_z = torch.cat([zero[None]] + [(z0 + d).clamp(min_zero, maxq).expand_as(s) for d in shifts])
-    q = torch.clamp(torch.round(w[None] / cand_s[..., None]) + cand_z[..., None], 0, maxq)
-    err = ((q - cand_z[..., None]) * cand_s[..., None] - w[None]) ** 2
+    # The search in fp32 (it only ranks candidates; the chosen scale and zero are exact either way).
+    wf, sf, zf = w.float()[None], cand_s.float()[..., None], cand_z.float()[..., None]
+    err = ((torch.clamp(torch.round(wf / sf) + zf, 0, maxq) - zf) * sf - wf).square_()
     if weight is not None:
-        err = err * weight.to(err.dtype)
+        err = err * weight.float()
     best = err.sum(-1).argmin(0, keepdim=True)  # [1, N]: ties keep the earliest, the min-max candidate first
     return cand_s.gather(0, best)[0], cand_z.gather(0, best)[0]
 
