@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--stride", type=int, default=512)
-    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--calib-tokens", type=int, default=16384,
+                    help="calibration tokens (twice the CPU table's 8,192: down_proj's 1,536-wide Hessian needs them)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--groups", default="32,64", help="int4 group sizes (comma-separated)")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="also the bf16 rows")
