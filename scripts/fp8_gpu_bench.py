@@ -204,19 +204,26 @@ def kv_cases() -> None:
               f"{row['fp8_us']:.0f} us ({row['speedup']:.2f}x)")
 
 
+def dump() -> None:
+    """$OUT/fp8_gpu_bench.json, rewritten after every stage (a run cut off at its time limit keeps what it did)."""
+    RESULT["failed"] = FAILED
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "fp8_gpu_bench.json").write_text(json.dumps(RESULT, indent=1))
+
+
 def main() -> int:
     torch.manual_seed(0)
     if BENCH:
         peaks()
     print("decode GEMV")
     gemv_cases()
+    dump()
     print("prefill GEMM")
     prefill_cases()
+    dump()
     print("FP8 KV attention")
     kv_cases()
-    RESULT["failed"] = FAILED
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "fp8_gpu_bench.json").write_text(json.dumps(RESULT, indent=1))
+    dump()
     print("FAILED: " + ", ".join(FAILED) if FAILED else "all checks passed")
     return 1 if FAILED else 0
 

@@ -187,6 +187,7 @@ def time_decode(results: list) -> None:
             torch.cuda.empty_cache()
         results.append(row)
         print(json.dumps(row, indent=1))
+        dump(results)
 
 
 def time_prefill(results: list) -> None:
@@ -206,15 +207,22 @@ def time_prefill(results: list) -> None:
         print(json.dumps(row))
 
 
+def dump(results: list) -> None:
+    """$OUT/gpu_wq_bench.json, rewritten after every stage (a run cut off at its time limit keeps what it did)."""
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_wq_bench.json").write_text(json.dumps(results, indent=1))
+
+
 def main() -> int:
     results: list = []
     ok = check(results)
     print("checks:", "all passed" if ok else "FAILED")
+    dump(results)
     if DEV.type == "cuda":
         time_decode(results)
+        dump(results)
         time_prefill(results)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_wq_bench.json").write_text(json.dumps(results, indent=1))
+    dump(results)
     return 0 if ok else 1
 
 

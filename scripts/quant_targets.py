@@ -13,6 +13,9 @@ the targets name (and writes it to $OUT/quant_targets.json, next to each bench's
   random Qwen3-8B preset, bf16 vs --quantization fp8 (target FP8 >= 1.25x), each a fresh process.
 
     python scripts/quant_targets.py [--throughput] [--budget 290]
+    python scripts/quant_targets.py --interpret      # CPU: the same plumbing over the benches' tiny checks
+
+Each bench rewrites its JSON after every stage, so one cut off at its limit still gives what it finished.
 
 Exits 1 if a bench's checks failed or a bench did not finish.
 """
@@ -31,7 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ARGS = argparse.ArgumentParser()
 ARGS.add_argument("--budget", type=float, default=290.0, help="seconds for everything")
 ARGS.add_argument("--throughput", action="store_true", help="also the 256-request offline A/B if time allows")
+ARGS.add_argument("--interpret", action="store_true",
+                  help="CPU dry run: the benches' tiny --interpret checks instead of --quick (tests this plumbing)")
 OPTS = ARGS.parse_args()
+MODE = "--interpret" if OPTS.interpret else "--quick"
 START = time.monotonic()
 TARGETS = {"fp8_decode": 1.75, "w4a16_decode": 2.8, "q4k_decode": 2.5, "fp8_offline": 1.25}
 
@@ -121,11 +127,10 @@ def main() -> int:
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="quant_targets_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    runs = {"gpu_wq_bench": run("gpu_wq_bench", [py, "scripts/gpu_wq_bench.py", "--quick"], out_dir,
-                                min(120, left())),
-            "fp8_gpu_bench": run("fp8_gpu_bench", [py, "scripts/fp8_gpu_bench.py", "--quick"], out_dir,
-                                 min(100, left())),
-            "quant_moe_bench": run("quant_moe_bench", [py, "scripts/quant_moe_bench.py"], out_dir, min(70, left()))}
+    runs = {"gpu_wq_bench": run("gpu_wq_bench", [py, "scripts/gpu_wq_bench.py", MODE], out_dir, min(120, left())),
+            "fp8_gpu_bench": run("fp8_gpu_bench", [py, "scripts/fp8_gpu_bench.py", MODE], out_dir, min(100, left())),
+            "quant_moe_bench": run("quant_moe_bench", [py, "scripts/quant_moe_bench.py"]
+                                   + (["--interpret"] if OPTS.interpret else []), out_dir, min(70, left()))}
     moe = load(out_dir / "quant_moe_bench.json") or {}
     summary = {"decode_batch1_qwen3_8b_linears": decode_summary(load(out_dir / "gpu_wq_bench.json")),
                "fp8": fp8_summary(load(out_dir / "fp8_gpu_bench.json")),
