@@ -16,12 +16,14 @@ def bitmask_width(vocab: int) -> int:
 
 class BitmaskBuffers:
     """Two pinned host buffers used in turn, so filling one never races the copy of the other still in
-    flight; grown (never shrunk) to the largest step seen."""
+    flight; grown (never shrunk) to the largest step seen. Each turn has a row-index buffer too (which
+    logits rows the bitmask rows belong to)."""
 
     def __init__(self, vocab: int, device: torch.device) -> None:
         self.width = bitmask_width(vocab)
         self.device = device
         self._bufs: list[torch.Tensor | None] = [None, None]
+        self._rows: list[torch.Tensor | None] = [None, None]
         self._turn = 0
 
     def host(self, rows: int) -> torch.Tensor:
@@ -39,27 +41,53 @@ class BitmaskBuffers:
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device, non_blocking=True)
 
+    def rows_to_device(self, rows: list[int]) -> torch.Tensor:
+        """rows as an int64 tensor on the device, through this turn's pinned buffer (one non-blocking copy)."""
+        buf = self._rows[self._turn]
+        if buf is None or buf.shape[0] < len(rows):
+            buf = torch.empty(max(len(rows), 8), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._rows[self._turn] = buf
+        view = buf[:len(rows)]
+        view.copy_(torch.tensor(rows, dtype=torch.int64))
+        return view.to(self.device, non_blocking=True)
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Sets logits[r, t] = -inf where bit t of bitmask row r is clear, in place (logits [R, V] float, bitmask
-    [R, ceil(V / 32)] int32 on the same device). No host sync. On the CPU xgrammar's own kernel (2.6x the
-    tensor ops below at 64 x 151,936, which unpack every word into 32 int32s); elsewhere the tensor ops
-    (tens of microseconds on a GPU, nothing to compile)."""
-    rows, vocab = logits.shape
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Sets logits[rows[i], t] = -inf where bit t of bitmask row i is clear, in place (logits [R, V] float,
+    bitmask [N, ceil(V / 32)] int32 on the same device; rows: int64 [N] on that device, None: N = R and row
+    i is logits row i). No host sync. On the CPU xgrammar's own kernel (2.6x the word unpacking below at
+    64 x 151,936; 6x on the loaded development machine); elsewhere byte-wise tensor ops."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         try:
             import xgrammar as xg
         except ImportError:
             xg = None
         if xg is not None:
-            xg.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+            if rows is None:
+                xg.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1])
+            else:  # xgrammar's indices name logits rows and read bitmask rows by the same index
+                sub = logits.index_select(0, rows)
+                xg.apply_token_bitmask_inplace(sub, bitmask, vocab_size=logits.shape[1])
+                logits.index_copy_(0, rows, sub)
             return
-    apply_bitmask_tensor_ops(logits, bitmask)
+    if rows is None:
+        logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+    else:
+        sub = logits.index_select(0, rows)
+        sub.masked_fill_(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+        logits.index_copy_(0, rows, sub)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [N, vocab] of a bitmask [N, ceil(vocab / 32)] int32, unpacked a byte at a time (token t is bit t % 8
+    of byte t // 8 of the little-endian words): temporaries of one byte per token, a quarter of what
+    unpacking each word into 32 int32s makes."""
+    n = bitmask.shape[0]
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bytes_ = bitmask.contiguous().view(torch.uint8)
+    return ((bytes_[:, :, None] >> shifts) & 1).view(n, -1)[:, :vocab].bool()
 
 
 def apply_bitmask_tensor_ops(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """apply_bitmask with plain tensor ops (any device)."""
-    rows, vocab = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(rows, -1)[:, :vocab].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
+    """apply_bitmask over every row with plain tensor ops (any device)."""
+    logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
