@@ -175,8 +175,8 @@ def _timed_core_main(config, addrs, parent_pid, log_level, path, sync):
 
 def _serve_child(argv: list[str], path: str, sync: bool) -> int:
     """The server process: lamina's CLI, with the core spawned through _timed_core_main."""
-    import multiprocessing
     import logging
+    import multiprocessing
 
     from lamina.engine import core_proc
 

@@ -24,7 +24,7 @@ from lamina.engine.sampling_metadata import (
     row_key,
     to_device,
 )
-from lamina.structured.bitmask import allowed_tokens, apply_bitmask
+from lamina.structured.bitmask import apply_bitmask, masked_copy
 
 __all__ = ["SampleTensors", "Sampler", "SamplerOutput", "exponential_noise", "needs_history", "row_key"]
 
@@ -200,7 +200,7 @@ class Sampler:
                  or m.allow_row.shape[0])
         if bitmask is not None and not edits and bitmask_rows is None and logits.device.type != "cpu":
             # Only a mask over every row: one out-of-place pass instead of a clone and an in-place pass.
-            logits = logits.masked_fill(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+            logits = masked_copy(logits, bitmask)
             bitmask = None
         if edits or bitmask is not None:
             logits = logits.clone()  # penalties edit in place; the raw logits stay for logprobs

@@ -88,6 +88,12 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((bytes_[:, :, None] >> shifts) & 1).view(n, -1)[:, :vocab].bool()
 
 
+def masked_copy(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits with apply_bitmask's -inf over every row, in one pass (where a clone would be
+    needed anyway: the raw logits stay for logprobs)."""
+    return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+
+
 def apply_bitmask_tensor_ops(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """apply_bitmask over every row with plain tensor ops (any device)."""
     logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))

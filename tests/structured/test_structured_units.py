@@ -12,7 +12,13 @@ from lamina.engine.detokenizer import initial_state
 from lamina.engine.request import Sequence
 from lamina.engine.sampler import Sampler
 from lamina.sampling_params import SamplingParams
-from lamina.structured.bitmask import BitmaskBuffers, apply_bitmask, apply_bitmask_tensor_ops, bitmask_width
+from lamina.structured.bitmask import (
+    BitmaskBuffers,
+    apply_bitmask,
+    apply_bitmask_tensor_ops,
+    bitmask_width,
+    masked_copy,
+)
 from lamina.structured.manager import _ban_bad_words
 from lamina.structured.params import StructuredOutputsError
 from lamina.structured.params import StructuredOutputsParams as SO
@@ -32,6 +38,35 @@ def test_apply_bitmask_matches_xgrammar(vocab, apply):
     got = logits.clone()
     apply(got, mask)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64: the tensor-ops path on the CPU
+def test_apply_bitmask_to_some_rows_leaves_the_others(dtype):
+    xg = pytest.importorskip("xgrammar")
+    vocab = 1000
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=g, dtype=dtype)
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, bitmask_width(vocab)), generator=g, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([4, 1])
+    ref = logits.clone().float()
+    sub = ref[[4, 1]].clone()
+    xg.apply_token_bitmask_inplace(sub, mask)
+    ref[[4, 1]] = sub
+    got = logits.clone()
+    apply_bitmask(got, mask, rows)
+    assert torch.equal(got.float(), ref)
+
+
+def test_masked_copy_equals_clone_and_apply():
+    """The device path when the mask is the sampler's only edit: one out-of-place pass, same values."""
+    vocab = 300
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, vocab, generator=g)
+    mask = torch.randint(-(2**31), 2**31 - 1, (4, bitmask_width(vocab)), generator=g, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    apply_bitmask(want, mask)
+    got = masked_copy(logits, mask)
+    assert torch.equal(got, want) and got.data_ptr() != logits.data_ptr()
 
 
 def test_bitmask_buffers_alternate_and_reset():
@@ -196,14 +231,22 @@ def test_manager_bitmask_batch_fill_equals_one_matcher_at_a_time():
     verify.draft_token_ids = tok('": "', add_special_tokens=False).input_ids[:2]
     rows = [seqs[0], verify, verify, verify, seqs[2], seqs[3], seqs[4]]
     offsets = [0, 0, 1, 2, 0, 0, 0]
-    got = mgr.bitmask(rows, offsets).clone()
-    want = torch.full_like(got, -1)
+    step = mgr.bitmask(rows, offsets)
+    got = step.bitmask.clone()
+    want = torch.full((len(rows), got.shape[1]), -1, dtype=torch.int32)
     seqs[0].grammar.matcher.fill_next_token_bitmask(want, 0)
     verify.grammar.fill(want, 1, verify.draft_token_ids, 3)
     seqs[2].grammar.matcher.fill_next_token_bitmask(want, 4)
-    if not seqs[3].grammar.terminated:
-        seqs[3].grammar.matcher.fill_next_token_bitmask(want, 5)
-    assert torch.equal(got, want)
+    seqs[3].grammar.matcher.fill_next_token_bitmask(want, 5)
+    assert step.host_rows == [0, 1, 2, 3, 4, 5] and step.rows.tolist() == step.host_rows  # not row 6
+    assert torch.equal(got, want[step.host_rows])
     assert not torch.equal(got[0], got[4])  # different states, different masks
-    assert bool((got[6] == -1).all())
+    done = GrammarState(compiled)
+    assert all(done.accept(t) for t in tok('{"a": "q"}', add_special_tokens=False).input_ids + [tok.eos_token_id])
+    assert done.terminated
+    ended = SimpleNamespace(grammar=done, finished=False, draft_token_ids=[], params=SamplingParams(),
+                            output_token_ids=[])
+    assert mgr.bitmask([ended, seqs[4]], [0, 0]) is None  # a terminated grammar, no grammar: no mask at all
+    every = mgr.bitmask([seqs[0], seqs[2]], [0, 0])
+    assert every.rows is None and torch.equal(every.bitmask, want[[0, 4]])
     del xg
