@@ -57,6 +57,41 @@ def test_apply_bitmask_to_some_rows_leaves_the_others(dtype):
     assert torch.equal(got.float(), ref)
 
 
+@pytest.mark.parametrize("subset", [False, True])
+def test_sparse_cpu_apply_matches_xgrammar_on_each_kind_of_row(subset):
+    """Rows mostly allowed, mostly banned (a few words set, one past the vocabulary's end), all of either,
+    and random words; every row or a subset in another order."""
+    xg = pytest.importorskip("xgrammar")
+    from lamina.structured.bitmask import apply_bitmask_sparse
+
+    vocab, n = 1000, 8
+    width = bitmask_width(vocab)
+    g = torch.Generator().manual_seed(7)
+    rand = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64).to(torch.int32)
+    mask = rand(n, width)
+    mask[0] = -1
+    mask[1] = 0
+    mask[2] = 0
+    mask[2, [3, 17, width - 1]] = rand(3)
+    mask[3] = -1
+    mask[3, [0, 5]] = rand(2)
+    mask[4] = 0
+    mask[4, width - 1] = -1  # bits past the vocabulary
+    logits = torch.randn(12 if subset else n, vocab, generator=g)
+    logits[0, :5] = float("-inf")
+    rows = torch.tensor([11, 0, 5, 2, 9, 3, 1, 7]) if subset else None
+    want = logits.clone()
+    if subset:
+        part = want[rows].clone()
+        xg.apply_token_bitmask_inplace(part, mask, vocab_size=vocab)
+        want[rows] = part
+    else:
+        xg.apply_token_bitmask_inplace(want, mask, vocab_size=vocab)
+    got = logits.clone()
+    apply_bitmask_sparse(got, mask, rows)
+    assert torch.equal(got, want)
+
+
 def test_masked_copy_equals_clone_and_apply():
     """The device path when the mask is the sampler's only edit: one out-of-place pass, same values."""
     vocab = 300
