@@ -9,6 +9,16 @@ request the constraint check, grammar hold/attach and compilation (on the compil
 are grouped by (constrained or not, sampled rows); the core writes its totals whenever it goes idle, and
 each bench run's share is the difference. It also reads both processes' CPU time (/proc) per run.
 
+Reading it: `period` is step start to step start in the core. TPOT near `period`: the core is the limit, and
+its phases say where; TPOT far above `period`: the tokens wait outside the core (IPC, the API server, the
+client). On a GPU, without --sync, `forward` and `sample` are launch times and waiting for the device shows
+in `resolve` (reading a step back).
+
+On the H200 (about 2 minutes with the server's start):
+  python3 -m lamina.cli bench save-random qwen3-0.6b /tmp/ck06 --tokenizer .gpu/tok
+  python3 scripts/structured_serve_cost.py --model /tmp/ck06 --device cuda --input-len 512 --output-len 256 \
+      --result-file $OUT/structured_phases.json
+
   python scripts/structured_serve_cost.py [--model CKPT] [--device cpu|cuda] [--concurrency 1,64]
       [--input-len 128] [--output-len 64] [--sync]
 
@@ -115,7 +125,7 @@ def _install(path: str, sync: bool) -> None:
     t.wrap(bitmask.BitmaskBuffers, "host", "host_buf")
     t.wrap(xg.BatchGrammarMatcher, "batch_fill_next_token_bitmask", "fill")
     t.wrap(xg.GrammarMatcher, "fill_next_token_bitmask", "fill_row")
-    for name in ("apply_bitmask", "apply_rows"):  # whichever the sampler module calls
+    for name in ("apply_bitmask", "masked_copy"):  # in place, or the device path's one out-of-place pass
         t.wrap(sampler, name, "apply")
     t.wrap(manager.StructuredOutputManager, "prepare", "check", per_request=True)
     t.wrap(manager.StructuredOutputManager, "hold", "hold", per_request=True)
@@ -132,8 +142,13 @@ def _install(path: str, sync: bool) -> None:
     manager.StructuredOutputManager.constrains = staticmethod(constrains_rec)
     step = eng.step
 
+    last = [None]
+
     def step_timed(self):
         s = time.perf_counter()
+        if last[0] is not None and s - last[0] < 1.0:  # step start to step start, idle gaps left out
+            t.cur["period"] += s - last[0]
+        last[0] = s
         try:
             return step(self)
         finally:
@@ -265,8 +280,8 @@ def _report(label: str, steps: dict, tpot: float | None, cpu: dict) -> dict:
     key, agg = max(steps.items(), key=lambda kv: kv[1]["steps"])
     n = agg["steps"]
     phases = {k: agg[k] / n * 1e6 for k in agg if not k.endswith("_n") and k != "steps"}
-    order = ["loop", "gc", "step", "prepare", "forward", "sample", "apply", "resolve", "accept", "bitmask", "host_buf",
-             "fill", "fill_row", "h2d", "admit"]
+    order = ["period", "loop", "gc", "step", "prepare", "forward", "sample", "apply", "resolve", "accept",
+             "bitmask", "host_buf", "fill", "fill_row", "h2d", "admit"]
     shown = " ".join(f"{k} {phases[k]:.0f}" for k in order if k in phases)
     print(f"{label}: TPOT p50 {tpot if tpot is None else round(tpot, 2)} ms; {int(n)} steps of {key}; "
           f"us/step: {shown}; cpu s server {cpu['server']:.1f} core {cpu['core']:.1f}", flush=True)
