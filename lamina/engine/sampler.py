@@ -198,9 +198,8 @@ class Sampler:
         raw = logits
         edits = (m.pen_row.shape[0] or m.late_row.shape[0] or m.ban_row.shape[0] or m.bias_row.shape[0]
                  or m.allow_row.shape[0])
-        if bitmask is not None and not edits and bitmask_rows is None and logits.device.type != "cpu":
-            # Only a mask over every row: one out-of-place pass instead of a clone and an in-place pass.
-            logits = masked_copy(logits, bitmask)
+        if bitmask is not None and not edits:  # only a mask: copy and mask together (clone + mask: 2-3 passes)
+            logits = masked_copy(logits, bitmask, bitmask_rows)
             bitmask = None
         if edits or bitmask is not None:
             logits = logits.clone()  # penalties edit in place; the raw logits stay for logprobs

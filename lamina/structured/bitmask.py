@@ -57,14 +57,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     bitmask [N, ceil(V / 32)] int32 on the same device; rows: int64 [N] on that device, None: N = R and row
     i is logits row i). On the CPU apply_bitmask_sparse (xgrammar's kernel where a row mostly allows);
     elsewhere byte-wise tensor ops, with no host sync."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        try:
-            import xgrammar as xg
-        except ImportError:
-            xg = None
-        if xg is not None:
-            apply_bitmask_sparse(logits, bitmask, rows)
-            return
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and _has_xgrammar():
+        apply_bitmask_sparse(logits, bitmask, rows)
+        return
     if rows is None:
         logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
     else:
@@ -74,39 +69,54 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
 
 
 def apply_bitmask_sparse(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """apply_bitmask on the CPU (float32), by what each row mostly is. A grammar's mask nearly always mostly
-    allows (inside a string) or mostly bans (structure, digits). xgrammar's CPU kernel skips all-ones words,
-    so it is nearly free on the first kind, but writes every banned token one at a time on the second (1.6
-    ms per row of 151,936 on the loaded development machine, more than a small model's forward): those rows
-    are set to -inf at once and get back the allowed tokens of their nonzero words. Host syncs (nonzero)
-    make this CPU-only."""
+    """apply_bitmask on the CPU (float32, xgrammar installed), by what each row mostly is (see _sparse)."""
+    _sparse(logits, logits, bitmask, rows)
+
+
+def _sparse(dst: torch.Tensor, src: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """dst = src masked (dst is src: in place; else dst is a fresh tensor of src's shape, and unmasked rows
+    are copied). A grammar's mask nearly always mostly allows (inside a string) or mostly bans (structure,
+    digits). xgrammar's CPU kernel skips all-ones words, so it is nearly free on the first kind, but writes
+    every banned token one at a time on the second (1.6 ms per row of 151,936 on the loaded development
+    machine, more than a small model's forward): those rows are set to -inf at once and get back the
+    allowed tokens of their nonzero words (read from src, so a copy never copies them first). Host syncs
+    (nonzero) make this CPU-only. rows must be distinct."""
     import xgrammar as xg
 
-    vocab = logits.shape[1]
-    sub = logits if rows is None else logits.index_select(0, rows)
+    n, vocab = src.shape
+    lrows = rows if rows is not None else torch.arange(bitmask.shape[0])
     banned = (bitmask == ALL_ALLOWED).sum(1) < (bitmask == 0).sum(1)
     sel_b = banned.nonzero()[:, 0]
-    if sel_b.numel() < bitmask.shape[0]:  # the mostly allowed rows: xgrammar's kernel
+    sel_a = (~banned).nonzero()[:, 0]
+    if dst is not src:
         if not sel_b.numel():
-            xg.apply_token_bitmask_inplace(sub, bitmask, vocab_size=vocab)
+            dst.copy_(src)
         else:
-            sel_a = (~banned).nonzero()[:, 0]
-            part = sub.index_select(0, sel_a)
+            rest = torch.ones(n, dtype=torch.bool)
+            rest[lrows.index_select(0, sel_b)] = False
+            idx = rest.nonzero()[:, 0]
+            if idx.numel():
+                dst[idx] = src[idx]
+    if sel_a.numel():  # the mostly allowed rows: xgrammar's kernel
+        if rows is None and sel_a.numel() == n:
+            xg.apply_token_bitmask_inplace(dst, bitmask, vocab_size=vocab)
+        else:
+            la = lrows.index_select(0, sel_a)
+            part = dst.index_select(0, la)
             xg.apply_token_bitmask_inplace(part, bitmask.index_select(0, sel_a), vocab_size=vocab)
-            sub.index_copy_(0, sel_a, part)
+            dst.index_copy_(0, la, part)
     if sel_b.numel():  # the mostly banned rows: -inf, then the allowed tokens back
         bits = torch.arange(32, dtype=torch.int32)
         words = bitmask.index_select(0, sel_b)
         r, w = (words != 0).nonzero(as_tuple=True)
         tok = w[:, None] * 32 + bits.long()
         pick = ((words[r, w][:, None] >> bits) & 1).bool() & (tok < vocab)
-        row = sel_b[r][:, None].expand_as(tok)[pick]
+        lb = lrows.index_select(0, sel_b)
+        row = lb[r][:, None].expand_as(tok)[pick]
         tok = tok[pick]
-        kept = sub[row, tok]
-        sub.index_fill_(0, sel_b, float("-inf"))
-        sub[row, tok] = kept
-    if rows is not None:
-        logits.index_copy_(0, rows, sub)
+        kept = src[row, tok]
+        dst.index_fill_(0, lb, float("-inf"))
+        dst[row, tok] = kept
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -119,10 +129,27 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((bytes_[:, :, None] >> shifts) & 1).view(n, -1)[:, :vocab].bool()
 
 
-def masked_copy(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of logits with apply_bitmask's -inf over every row, in one pass (where a clone would be
-    needed anyway: the raw logits stay for logprobs)."""
-    return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+def masked_copy(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of logits with apply_bitmask(copy, bitmask, rows) done, where a clone would be needed anyway (the
+    raw logits stay for logprobs): on the device one pass when every row is masked, on the CPU each row
+    written once (a clone of 64 x 151,936 float32 cost more than the mask on the development machine)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and _has_xgrammar():
+        out = torch.empty_like(logits)
+        _sparse(out, logits, bitmask, rows)
+        return out
+    if rows is None:
+        return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+    out = logits.clone()
+    apply_bitmask(out, bitmask, rows)
+    return out
+
+
+def _has_xgrammar() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def apply_bitmask_tensor_ops(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

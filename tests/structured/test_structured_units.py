@@ -90,6 +90,8 @@ def test_sparse_cpu_apply_matches_xgrammar_on_each_kind_of_row(subset):
     got = logits.clone()
     apply_bitmask_sparse(got, mask, rows)
     assert torch.equal(got, want)
+    copied = masked_copy(logits, mask, rows)  # the out-of-place form: the same, and logits untouched
+    assert torch.equal(copied, want) and not torch.equal(logits, want)
 
 
 def test_masked_copy_equals_clone_and_apply():
@@ -102,6 +104,12 @@ def test_masked_copy_equals_clone_and_apply():
     apply_bitmask(want, mask)
     got = masked_copy(logits, mask)
     assert torch.equal(got, want) and got.data_ptr() != logits.data_ptr()
+    on_device = masked_copy(logits.double(), mask)  # float64: the device path's tensor ops, on the CPU
+    assert torch.equal(on_device.float(), want)
+    rows = torch.tensor([3, 0])
+    part = logits.double().clone()
+    apply_bitmask(part, mask[:2], rows)
+    assert torch.equal(masked_copy(logits.double(), mask[:2], rows), part)
 
 
 def test_bitmask_buffers_alternate_and_reset():
