@@ -138,7 +138,7 @@ def masked_copy(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor 
         _sparse(out, logits, bitmask, rows)
         return out
     if rows is None:
-        return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+        return torch.where(allowed_tokens(bitmask, logits.shape[1]), logits, float("-inf"))
     out = logits.clone()
     apply_bitmask(out, bitmask, rows)
     return out
