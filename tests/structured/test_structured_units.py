@@ -293,3 +293,32 @@ def test_manager_bitmask_batch_fill_equals_one_matcher_at_a_time():
     every = mgr.bitmask([seqs[0], seqs[2]], [0, 0])
     assert every.rows is None and torch.equal(every.bitmask, want[[0, 4]])
     del xg
+
+
+@pytest.mark.parametrize("case", ["mask only", "with penalties", "with logprobs", "every row"])
+def test_sampler_masked_rows_draw_what_a_full_mask_draws(case):
+    """The step mask of some rows (bitmask_rows) draws exactly what the old full-row mask (all ones where
+    unconstrained, applied by the plain tensor ops) draws, on every sampler path."""
+    vocab, n = 5000, 6
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, vocab, generator=g)
+    rand = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64).to(torch.int32)
+    full = torch.full((n, bitmask_width(vocab)), -1, dtype=torch.int32)
+    masked = list(range(n)) if case == "every row" else [4, 1, 2]
+    full[masked[0]] = 0
+    full[masked[0], [3, 40, 99]] = rand(3)  # mostly banned
+    full[masked[1]] = rand(bitmask_width(vocab))  # mixed words
+    full[masked[2], [0, 7]] = 0  # mostly allowed
+    extra = dict(repetition_penalty=1.3, frequency_penalty=0.5) if case == "with penalties" else {}
+    lp = dict(logprobs=2) if case == "with logprobs" else {}
+    seqs = [_seq(i, SamplingParams(temperature=0 if i % 3 == 0 else 0.7, seed=i, **extra, **lp), out=[5, 6])
+            for i in range(n)]
+    ref_logits = logits.clone()
+    apply_bitmask_tensor_ops(ref_logits, full)
+    want = Sampler([0]).sample(ref_logits, seqs)
+    rows = None if case == "every row" else torch.tensor(masked)
+    got = Sampler([0]).sample(logits.clone(), seqs, bitmask=full[masked].contiguous(), bitmask_rows=rows)
+    assert torch.equal(got.token_ids, want.token_ids)
+    if case == "with logprobs":  # of the raw distribution, not the masked one
+        raw = logits.log_softmax(-1)
+        assert torch.allclose(got.chosen_logprobs, raw[torch.arange(n), got.token_ids])
