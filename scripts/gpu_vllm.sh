@@ -4,6 +4,7 @@
 # (as .vkit/partN, git-ignored) and `stage N` copies it to /tmp/vw, which survives while the machine stays warm.
 # Usage (repo root, on the GPU machine): OUT=dir scripts/gpu_vllm.sh stage N | install | offline | hybrid |
 #   serve | prefix | latency        (install once after the six stages; the rest run vLLM, then lamina)
+#   structured                      (lamina only: scripts/structured_serve_cost.py on the GPU)
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -83,5 +84,11 @@ serve)
   python3 -m lamina.cli bench serve --fake-server --fake-server-workers 4 --num-prompts 512 --input-len 512 \
     --output-len 256 --max-concurrency 256 --vocab-size 151936 --num-clients 4 --disable-tqdm \
     --result-file "$OUT/serve_client_ceiling.json" 2>&1 | tail -4 ;;
-*) echo "usage: scripts/gpu_vllm.sh stage N | install | offline | hybrid | serve | prefix | latency"; exit 2 ;;
+structured)  # issue 16: the constrained step phase by phase on the real server path (lamina only, ~2 min)
+  ck=/tmp/ck_qwen3_0.6b; tok=/tmp/keep/.gpu/tok; [ -d .gpu/tok ] && tok=$PWD/.gpu/tok
+  [ -d $ck ] || python3 -m lamina.cli bench save-random qwen3-0.6b $ck --tokenizer "$tok" > /dev/null
+  python3 scripts/structured_serve_cost.py --model $ck --device cuda --input-len 512 --output-len 256 \
+    --tokenizer "$tok" --result-file "$OUT/structured_phases.json" 2>&1 | tail -8
+  cp /tmp/lamina_struct_serve.log "$OUT/structured_serve.log" 2>/dev/null ;;
+*) echo "usage: scripts/gpu_vllm.sh stage N | install | offline | hybrid | serve | prefix | latency | structured"; exit 2 ;;
 esac

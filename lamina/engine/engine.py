@@ -355,7 +355,8 @@ class LLMEngine:
                     self._resolve(prev, touched if touched is not None else {})
                 mask = self.structured.bitmask(batch.sampled, batch.offsets)
             draws = self.sampler.sample(batch.sampled_logits(logits), batch.sampled, batch.sampling, batch.offsets,
-                                        bitmask=mask)
+                                        bitmask=mask.bitmask if mask is not None else None,
+                                        bitmask_rows=mask.rows if mask is not None else None)
         for i, item in enumerate(scheduled):
             seq = item.seq
             if seq.needs_prompt_logprobs():  # rare: reads logits on the host right away (idempotent on retry)

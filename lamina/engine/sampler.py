@@ -24,7 +24,7 @@ from lamina.engine.sampling_metadata import (
     row_key,
     to_device,
 )
-from lamina.structured.bitmask import apply_bitmask
+from lamina.structured.bitmask import apply_bitmask, masked_copy
 
 __all__ = ["SampleTensors", "Sampler", "SamplerOutput", "exponential_noise", "needs_history", "row_key"]
 
@@ -186,16 +186,22 @@ class Sampler:
         return _race(xs, noise, log_min_p)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], meta: SamplingMetadata | None = None,
-               offsets: list[int] | None = None, bitmask: torch.Tensor | None = None) -> SampleTensors:
+               offsets: list[int] | None = None, bitmask: torch.Tensor | None = None,
+               bitmask_rows: torch.Tensor | None = None) -> SampleTensors:
         """Draws one token per row of logits (row r for seqs[r], at offsets[r] among its sequence's sampled
         rows); everything stays on the device. meta: the step's metadata, if the caller shipped it already.
         bitmask: int32 [rows, ceil(vocab / 32)] on the device, bit t of row r set where token t may be
-        sampled (structured output); None: no row is masked."""
+        sampled (structured output); None: no row is masked. bitmask_rows: int64 [N] on the device, the rows
+        the N bitmask rows mask (None: bitmask row r masks row r, every row)."""
         logits = logits.float()
         m = meta if meta is not None else to_device(self.arrays(seqs, offsets, logits.shape[1]), seqs, logits.device)
         raw = logits
-        if (m.pen_row.shape[0] or m.late_row.shape[0] or m.ban_row.shape[0] or m.bias_row.shape[0]
-                or m.allow_row.shape[0] or bitmask is not None):
+        edits = (m.pen_row.shape[0] or m.late_row.shape[0] or m.ban_row.shape[0] or m.bias_row.shape[0]
+                 or m.allow_row.shape[0])
+        if bitmask is not None and not edits:  # only a mask: copy and mask together (clone + mask: 2-3 passes)
+            logits = masked_copy(logits, bitmask, bitmask_rows)
+            bitmask = None
+        if edits or bitmask is not None:
             logits = logits.clone()  # penalties edit in place; the raw logits stay for logprobs
             if m.pen_row.shape[0]:
                 _penalize(logits, m)
@@ -208,7 +214,7 @@ class Sampler:
             if m.ban_row.shape[0]:
                 logits[m.ban_row, m.ban_token] = float("-inf")
             if bitmask is not None:
-                apply_bitmask(logits, bitmask)
+                apply_bitmask(logits, bitmask, bitmask_rows)
         tokens = logits.argmax(dim=-1)
         if not m.all_greedy:
             x = logits / m.temperature[:, None]

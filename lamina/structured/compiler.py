@@ -86,6 +86,12 @@ class GrammarCompilerService:
     def check(self, spec: StructuredOutputsParams) -> None:
         build_grammar(spec)
 
+    def compiled(self, spec: StructuredOutputsParams) -> bool:
+        """True if this constraint compiled already (so it is valid: a check can be skipped)."""
+        with self._lock:
+            fut = self._cache.get(spec.key())
+        return fut is not None and fut.done() and fut.exception() is None
+
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar (done at once on a cache hit). A failed compilation is not kept."""
         key = spec.key()

@@ -43,6 +43,16 @@ def multi_token_bad_words(params: SamplingParams) -> list[list[int]]:
 
 
 @dataclass
+class StepMask:
+    """A step's token bitmask: row i of `bitmask` (int32 [N, ceil(vocab / 32)], on the device) masks sampled
+    row `host_rows[i]`; `rows` is host_rows on the device, None when N is every sampled row in order."""
+
+    bitmask: torch.Tensor
+    rows: torch.Tensor | None
+    host_rows: list[int]
+
+
+@dataclass
 class _Held:
     group: RequestGroup
     future: cf.Future
@@ -81,7 +91,10 @@ class StructuredOutputManager:
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer")
-            build_grammar(params.structured_outputs)  # no tokenizer work: microseconds for typical schemas
+            # No tokenizer work, but 0.2-0.5 ms for the bench schema on the step loop: skipped for a constraint
+            # that compiled already (the hot path: every request of an agent's tool set has the same one).
+            if self._compiler is None or not self._compiler.compiled(params.structured_outputs):
+                build_grammar(params.structured_outputs)
 
     def hold(self, group: RequestGroup) -> bool:
         """Starts compiling the group's grammar; True if it must wait (ready() releases it), False if its
@@ -132,32 +145,45 @@ class StructuredOutputManager:
     def constrains(rows: list[Sequence]) -> bool:
         return any(s.grammar is not None or multi_token_bad_words(s.params) for s in rows)
 
-    def bitmask(self, rows: list[Sequence], offsets: list[int]) -> torch.Tensor:
-        """The step's bitmask on the device, one row per sampled row (all allowed where unconstrained).
-        The sequences' tokens must all be known (no step in flight)."""
-        host = self._buffers.host(len(rows))
-        matchers, matcher_rows = [], []  # single-row grammars: filled together, over threads
+    def bitmask(self, rows: list[Sequence], offsets: list[int]) -> StepMask | None:
+        """The step's bitmask on the device for the sampled rows that have something to mask (a grammar not
+        terminated yet, multi-token bad words); None if no row has. The sequences' tokens must all be known
+        (no step in flight)."""
+        runs = []  # (first row, row count, sequence) of the rows to mask
         r = 0
         while r < len(rows):
             seq = rows[r]
             n = 1
             while r + n < len(rows) and rows[r + n] is seq and offsets[r + n] == n:
                 n += 1
-            if seq.grammar is not None and not seq.finished:
-                if n == 1:
-                    if not seq.grammar.terminated:
-                        matchers.append(seq.grammar.matcher)
-                        matcher_rows.append(r)
-                else:  # a verify run: each row after a draft, so one at a time (accept, fill, roll back)
-                    seq.grammar.fill(host, r, seq.draft_token_ids, n)
-            words = multi_token_bad_words(seq.params)
-            if words and not seq.finished:
-                for j in range(n):
-                    _ban_bad_words(host, r + j, seq.output_token_ids + seq.draft_token_ids[:j], words)
+            if not seq.finished and ((seq.grammar is not None and not seq.grammar.terminated)
+                                     or multi_token_bad_words(seq.params)):
+                runs.append((r, n, seq))
             r += n
+        count = sum(n for _, n, _ in runs)
+        if not count:
+            return None  # nothing to mask: the sampler skips the copy and the apply
+        host = self._buffers.host(count)
+        matchers, matcher_rows, logit_rows = [], [], []  # single-row grammars: filled together, over threads
+        h = 0
+        for r, n, seq in runs:
+            logit_rows.extend(range(r, r + n))
+            if seq.grammar is not None and not seq.grammar.terminated:
+                if n == 1:
+                    matchers.append(seq.grammar.matcher)
+                    matcher_rows.append(h)
+                else:  # a verify run: each row after a draft, so one at a time (accept, fill, roll back)
+                    seq.grammar.fill(host, h, seq.draft_token_ids, n)
+            words = multi_token_bad_words(seq.params)
+            if words:
+                for j in range(n):
+                    _ban_bad_words(host, h + j, seq.output_token_ids + seq.draft_token_ids[:j], words)
+            h += n
         if matchers:
             self._batch_matcher().batch_fill_next_token_bitmask(matchers, host, matcher_rows)
-        return self._buffers.to_device(host)
+        every = count == len(rows)
+        return StepMask(self._buffers.to_device(host), None if every else self._buffers.rows_to_device(logit_rows),
+                        logit_rows)
 
     def _batch_matcher(self):
         # One fill is 4-40 us per row (36 us on the H200 host with the bench schema): 64 rows one after the

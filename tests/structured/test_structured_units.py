@@ -12,7 +12,13 @@ from lamina.engine.detokenizer import initial_state
 from lamina.engine.request import Sequence
 from lamina.engine.sampler import Sampler
 from lamina.sampling_params import SamplingParams
-from lamina.structured.bitmask import BitmaskBuffers, apply_bitmask, apply_bitmask_tensor_ops, bitmask_width
+from lamina.structured.bitmask import (
+    BitmaskBuffers,
+    apply_bitmask,
+    apply_bitmask_tensor_ops,
+    bitmask_width,
+    masked_copy,
+)
 from lamina.structured.manager import _ban_bad_words
 from lamina.structured.params import StructuredOutputsError
 from lamina.structured.params import StructuredOutputsParams as SO
@@ -32,6 +38,78 @@ def test_apply_bitmask_matches_xgrammar(vocab, apply):
     got = logits.clone()
     apply(got, mask)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64: the tensor-ops path on the CPU
+def test_apply_bitmask_to_some_rows_leaves_the_others(dtype):
+    xg = pytest.importorskip("xgrammar")
+    vocab = 1000
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=g, dtype=dtype)
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, bitmask_width(vocab)), generator=g, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([4, 1])
+    ref = logits.clone().float()
+    sub = ref[[4, 1]].clone()
+    xg.apply_token_bitmask_inplace(sub, mask)
+    ref[[4, 1]] = sub
+    got = logits.clone()
+    apply_bitmask(got, mask, rows)
+    assert torch.equal(got.float(), ref)
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_sparse_cpu_apply_matches_xgrammar_on_each_kind_of_row(subset):
+    """Rows mostly allowed, mostly banned (a few words set, one past the vocabulary's end), all of either,
+    and random words; every row or a subset in another order."""
+    xg = pytest.importorskip("xgrammar")
+    from lamina.structured.bitmask import apply_bitmask_sparse
+
+    vocab, n = 1000, 8
+    width = bitmask_width(vocab)
+    g = torch.Generator().manual_seed(7)
+    rand = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64).to(torch.int32)
+    mask = rand(n, width)
+    mask[0] = -1
+    mask[1] = 0
+    mask[2] = 0
+    mask[2, [3, 17, width - 1]] = rand(3)
+    mask[3] = -1
+    mask[3, [0, 5]] = rand(2)
+    mask[4] = 0
+    mask[4, width - 1] = -1  # bits past the vocabulary
+    logits = torch.randn(12 if subset else n, vocab, generator=g)
+    logits[0, :5] = float("-inf")
+    rows = torch.tensor([11, 0, 5, 2, 9, 3, 1, 7]) if subset else None
+    want = logits.clone()
+    if subset:
+        part = want[rows].clone()
+        xg.apply_token_bitmask_inplace(part, mask, vocab_size=vocab)
+        want[rows] = part
+    else:
+        xg.apply_token_bitmask_inplace(want, mask, vocab_size=vocab)
+    got = logits.clone()
+    apply_bitmask_sparse(got, mask, rows)
+    assert torch.equal(got, want)
+    copied = masked_copy(logits, mask, rows)  # the out-of-place form: the same, and logits untouched
+    assert torch.equal(copied, want) and not torch.equal(logits, want)
+
+
+def test_masked_copy_equals_clone_and_apply():
+    """The device path when the mask is the sampler's only edit: one out-of-place pass, same values."""
+    vocab = 300
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, vocab, generator=g)
+    mask = torch.randint(-(2**31), 2**31 - 1, (4, bitmask_width(vocab)), generator=g, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    apply_bitmask(want, mask)
+    got = masked_copy(logits, mask)
+    assert torch.equal(got, want) and got.data_ptr() != logits.data_ptr()
+    on_device = masked_copy(logits.double(), mask)  # float64: the device path's tensor ops, on the CPU
+    assert torch.equal(on_device.float(), want)
+    rows = torch.tensor([3, 0])
+    part = logits.double().clone()
+    apply_bitmask(part, mask[:2], rows)
+    assert torch.equal(masked_copy(logits.double(), mask[:2], rows), part)
 
 
 def test_bitmask_buffers_alternate_and_reset():
@@ -196,14 +274,51 @@ def test_manager_bitmask_batch_fill_equals_one_matcher_at_a_time():
     verify.draft_token_ids = tok('": "', add_special_tokens=False).input_ids[:2]
     rows = [seqs[0], verify, verify, verify, seqs[2], seqs[3], seqs[4]]
     offsets = [0, 0, 1, 2, 0, 0, 0]
-    got = mgr.bitmask(rows, offsets).clone()
-    want = torch.full_like(got, -1)
+    step = mgr.bitmask(rows, offsets)
+    got = step.bitmask.clone()
+    want = torch.full((len(rows), got.shape[1]), -1, dtype=torch.int32)
     seqs[0].grammar.matcher.fill_next_token_bitmask(want, 0)
     verify.grammar.fill(want, 1, verify.draft_token_ids, 3)
     seqs[2].grammar.matcher.fill_next_token_bitmask(want, 4)
-    if not seqs[3].grammar.terminated:
-        seqs[3].grammar.matcher.fill_next_token_bitmask(want, 5)
-    assert torch.equal(got, want)
+    seqs[3].grammar.matcher.fill_next_token_bitmask(want, 5)
+    assert step.host_rows == [0, 1, 2, 3, 4, 5] and step.rows.tolist() == step.host_rows  # not row 6
+    assert torch.equal(got, want[step.host_rows])
     assert not torch.equal(got[0], got[4])  # different states, different masks
-    assert bool((got[6] == -1).all())
+    done = GrammarState(compiled)
+    assert all(done.accept(t) for t in tok('{"a": "q"}', add_special_tokens=False).input_ids + [tok.eos_token_id])
+    assert done.terminated
+    ended = SimpleNamespace(grammar=done, finished=False, draft_token_ids=[], params=SamplingParams(),
+                            output_token_ids=[])
+    assert mgr.bitmask([ended, seqs[4]], [0, 0]) is None  # a terminated grammar, no grammar: no mask at all
+    every = mgr.bitmask([seqs[0], seqs[2]], [0, 0])
+    assert every.rows is None and torch.equal(every.bitmask, want[[0, 4]])
     del xg
+
+
+@pytest.mark.parametrize("case", ["mask only", "with penalties", "with logprobs", "every row"])
+def test_sampler_masked_rows_draw_what_a_full_mask_draws(case):
+    """The step mask of some rows (bitmask_rows) draws exactly what the old full-row mask (all ones where
+    unconstrained, applied by the plain tensor ops) draws, on every sampler path."""
+    vocab, n = 5000, 6
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, vocab, generator=g)
+    rand = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64).to(torch.int32)
+    full = torch.full((n, bitmask_width(vocab)), -1, dtype=torch.int32)
+    masked = list(range(n)) if case == "every row" else [4, 1, 2]
+    full[masked[0]] = 0
+    full[masked[0], [3, 40, 99]] = rand(3)  # mostly banned
+    full[masked[1]] = rand(bitmask_width(vocab))  # mixed words
+    full[masked[2], [0, 7]] = 0  # mostly allowed
+    extra = dict(repetition_penalty=1.3, frequency_penalty=0.5) if case == "with penalties" else {}
+    lp = dict(logprobs=2) if case == "with logprobs" else {}
+    seqs = [_seq(i, SamplingParams(temperature=0 if i % 3 == 0 else 0.7, seed=i, **extra, **lp), out=[5, 6])
+            for i in range(n)]
+    ref_logits = logits.clone()
+    apply_bitmask_tensor_ops(ref_logits, full)
+    want = Sampler([0]).sample(ref_logits, seqs)
+    rows = None if case == "every row" else torch.tensor(masked)
+    got = Sampler([0]).sample(logits.clone(), seqs, bitmask=full[masked].contiguous(), bitmask_rows=rows)
+    assert torch.equal(got.token_ids, want.token_ids)
+    if case == "with logprobs":  # of the raw distribution, not the masked one
+        raw = logits.log_softmax(-1)
+        assert torch.allclose(got.chosen_logprobs, raw[torch.arange(n), got.token_ids])

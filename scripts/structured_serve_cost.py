@@ -1,0 +1,368 @@
+"""Where structured output's time goes on the real server path: `lamina serve` with a per-phase timer in its
+engine core, loaded by `lamina bench serve` with and without a JSON schema at each concurrency.
+
+The server runs as a child of this script, with CoreProcess patched so the spawned core process wraps the
+engine's phases in timers (nothing in lamina changes): the core loop's own time, the step, the batch build,
+the forward, the sampler (inside it the bitmask apply), reading a step back (that includes waiting for the
+device), the grammars' accept, the bitmask (inside it xgrammar's fill and the host-to-device copy), and per
+request the constraint check, grammar hold/attach and compilation (on the compiler's worker thread). Steps
+are grouped by (constrained or not, sampled rows); the core writes its totals whenever it goes idle, and
+each bench run's share is the difference. It also reads both processes' CPU time (/proc) per run.
+
+Reading it: `period` is step start to step start in the core. TPOT near `period`: the core is the limit, and
+its phases say where; TPOT far above `period`: the tokens wait outside the core (IPC, the API server, the
+client). On a GPU, without --sync, `forward` and `sample` are launch times and waiting for the device shows
+in `resolve` (reading a step back).
+
+On the H200 (about 2 minutes with the server's start):
+  python3 -m lamina.cli bench save-random qwen3-0.6b /tmp/ck06 --tokenizer .gpu/tok
+  python3 scripts/structured_serve_cost.py --model /tmp/ck06 --device cuda --input-len 512 --output-len 256 \
+      --result-file $OUT/structured_phases.json
+
+  python scripts/structured_serve_cost.py [--model CKPT] [--device cpu|cuda] [--concurrency 1,64]
+      [--input-len 128] [--output-len 64] [--sync]
+
+Without --model a tiny random Qwen3 (vocab 151,936, hidden 16, one layer) with the Qwen3 tokenizer of
+--tokenizer is written to /tmp first: the model is nearly free, so what remains is the per-token machinery.
+--sync synchronizes the device around the forward and the sampler so they show device time (it removes the
+overlap of host and device work, so compare phases, not TPOT, under it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+SCHEMA = "scripts/schemas/bench_items.json"
+
+
+# ---- the core side (runs inside the spawned engine core process) ----------------------------------------
+class _Timers:
+    """Per-step phase totals, grouped by (constrained, sampled rows); per-request totals apart."""
+
+    def __init__(self, path: str, sync: bool) -> None:
+        self.path, self.sync = path, sync
+        self.steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.requests: dict[str, float] = defaultdict(float)
+        self.cur: dict[str, float] = defaultdict(float)
+        self.key = None
+        self.dirty = False
+
+    def wrap(self, owner, name: str, phase: str, per_request: bool = False, sync: bool = False) -> None:
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+        timers = self
+
+        def timed(*a, **k):
+            if sync and timers.sync:
+                _cuda_sync()
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if sync and timers.sync:
+                    _cuda_sync()
+                dt = time.perf_counter() - t
+                if per_request:
+                    timers.requests[phase + "_s"] += dt
+                    timers.requests[phase + "_n"] += 1
+                else:
+                    timers.cur[phase] += dt
+                    timers.cur[phase + "_n"] += 1
+
+        setattr(owner, name, timed)
+
+    def end_step(self, dt: float) -> None:
+        key = self.key or "idle"
+        agg = self.steps[key]
+        agg["steps"] += 1
+        agg["step"] += dt
+        for k, v in self.cur.items():
+            agg[k] += v
+        self.cur.clear()
+        self.key = None
+        self.dirty = True
+
+    def dump(self) -> None:
+        if not self.dirty:
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"steps": self.steps, "requests": self.requests}, f)
+        os.replace(tmp, self.path)
+        self.dirty = False
+
+
+def _cuda_sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _install(path: str, sync: bool) -> None:
+    import xgrammar as xg
+
+    from lamina.engine import core_proc, engine, runner, sampler
+    from lamina.structured import bitmask, compiler, manager, state
+
+    t = _Timers(path, sync)
+    eng = engine.LLMEngine
+    t.wrap(runner.ModelRunner, "prepare", "prepare")
+    t.wrap(runner.ModelRunner, "execute", "forward", sync=True)
+    t.wrap(sampler.Sampler, "sample", "sample", sync=True)
+    t.wrap(eng, "_resolve", "resolve")
+    t.wrap(eng, "_admit_held", "admit")
+    t.wrap(state.GrammarState, "accept", "accept")
+    t.wrap(manager.StructuredOutputManager, "bitmask", "bitmask")
+    t.wrap(bitmask.BitmaskBuffers, "to_device", "h2d")
+    t.wrap(bitmask.BitmaskBuffers, "host", "host_buf")
+    t.wrap(xg.BatchGrammarMatcher, "batch_fill_next_token_bitmask", "fill")
+    t.wrap(xg.GrammarMatcher, "fill_next_token_bitmask", "fill_row")
+    for name in ("apply_bitmask", "masked_copy"):  # in place, or the device path's one out-of-place pass
+        t.wrap(sampler, name, "apply")
+    t.wrap(manager.StructuredOutputManager, "prepare", "check", per_request=True)
+    t.wrap(manager.StructuredOutputManager, "hold", "hold", per_request=True)
+    t.wrap(state.GrammarState, "__init__", "matcher_new", per_request=True)
+    t.wrap(compiler.GrammarCompilerService, "_compile", "compile", per_request=True)
+
+    constrains = manager.StructuredOutputManager.constrains
+
+    def constrains_rec(rows):
+        c = constrains(rows)
+        t.key = f"{'schema' if c else 'plain'}:{len(rows)}"
+        return c
+
+    manager.StructuredOutputManager.constrains = staticmethod(constrains_rec)
+    step = eng.step
+
+    last = [None]
+
+    def step_timed(self):
+        s = time.perf_counter()
+        if last[0] is not None and s - last[0] < 1.0:  # step start to step start, idle gaps left out
+            t.cur["period"] += s - last[0]
+        last[0] = s
+        try:
+            return step(self)
+        finally:
+            t.end_step(time.perf_counter() - s)
+
+    eng.step = step_timed
+    iterate = core_proc.CoreLoop.iterate
+
+    def iterate_timed(self):
+        s = time.perf_counter()
+        try:
+            return iterate(self)
+        finally:
+            t.cur["loop"] += time.perf_counter() - s  # lands in the next step's record
+            if not self.core.has_work():
+                t.dump()
+
+    core_proc.CoreLoop.iterate = iterate_timed
+    import gc
+
+    gc_start = [0.0]
+
+    def on_gc(phase, info):  # collector pauses inside the step loop
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            t.cur["gc"] += time.perf_counter() - gc_start[0]
+            t.cur["gc_n"] += 1
+
+    gc.callbacks.append(on_gc)
+
+
+def _timed_core_main(config, addrs, parent_pid, log_level, path, sync):
+    _install(path, sync)
+    from lamina.engine.core_proc import core_main
+
+    core_main(config, addrs, parent_pid, log_level)
+
+
+def _serve_child(argv: list[str], path: str, sync: bool) -> int:
+    """The server process: lamina's CLI, with the core spawned through _timed_core_main."""
+    import logging
+    import multiprocessing
+
+    from lamina.engine import core_proc
+
+    def start(self, addrs):
+        mp = multiprocessing.get_context("spawn")
+        level = logging.getLogger("lamina").getEffectiveLevel()
+        self.proc = mp.Process(target=_timed_core_main, args=(self.config, addrs, os.getpid(), level, path, sync),
+                               name="lamina-core", daemon=True)
+        self.proc.start()
+
+    core_proc.CoreProcess.start = start
+    from lamina.cli import main
+
+    return main(argv)
+
+
+# ---- the driver ---------------------------------------------------------------------------------------------
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError):
+        return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def make_tiny(tokenizer: str, out: str) -> str:
+    import shutil
+
+    import torch
+    import transformers
+
+    if (Path(out) / "model.safetensors").is_file():
+        return out
+    cfg = transformers.Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=1, num_key_value_heads=1, head_dim=16,
+                                   tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=151645,
+                                   bos_token_id=151643)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer) / f, Path(out) / f)
+    return out
+
+
+def _diff(new: dict, old: dict) -> dict:
+    out = {}
+    for key, agg in new.get("steps", {}).items():
+        prev = old.get("steps", {}).get(key, {})
+        d = {k: v - prev.get(k, 0.0) for k, v in agg.items()}
+        if d.get("steps", 0) > 0:
+            out[key] = d
+    return out
+
+
+def _read(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_idle(path: str, before: float, timeout: float = 30.0) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if os.path.getmtime(path) > before:
+                time.sleep(0.5)
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+def _report(label: str, steps: dict, tpot: float | None, cpu: dict) -> dict:
+    """The dominant step shape's phases in microseconds per step."""
+    if not steps:
+        print(f"{label}: no steps recorded")
+        return {}
+    key, agg = max(steps.items(), key=lambda kv: kv[1]["steps"])
+    n = agg["steps"]
+    phases = {k: agg[k] / n * 1e6 for k in agg if not k.endswith("_n") and k != "steps"}
+    order = ["period", "loop", "gc", "step", "prepare", "forward", "sample", "apply", "resolve", "accept",
+             "bitmask", "host_buf", "fill", "fill_row", "h2d", "admit"]
+    shown = " ".join(f"{k} {phases[k]:.0f}" for k in order if k in phases)
+    print(f"{label}: TPOT p50 {tpot if tpot is None else round(tpot, 2)} ms; {int(n)} steps of {key}; "
+          f"us/step: {shown}; cpu s server {cpu['server']:.1f} core {cpu['core']:.1f}", flush=True)
+    return {"label": label, "tpot_p50_ms": tpot, "shape": key, "steps": n, "us_per_step": phases, "cpu_s": cpu}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokenizer", default=".gpu/tok" if Path(".gpu/tok").is_dir() else "/work/main/.gpu/tok")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prompts-per-client", type=int, default=2, help="prompts = this x concurrency (>= 4)")
+    ap.add_argument("--schema", default=SCHEMA)
+    ap.add_argument("--port", type=int, default=8219)
+    ap.add_argument("--sync", action="store_true")
+    ap.add_argument("--serve-args", default="", help="extra `lamina serve` arguments")
+    ap.add_argument("--result-file", default=None)
+    if sys.argv[1:2] == ["--child"]:  # the server process (the rest is `lamina serve`'s command line)
+        sys.exit(_serve_child(sys.argv[4:], sys.argv[2], sys.argv[3] == "1"))
+    args = ap.parse_args()
+    model = args.model or make_tiny(args.tokenizer, "/tmp/lamina_struct_tiny")
+    concs = [int(c) for c in args.concurrency.split(",")]
+    timing = f"/tmp/lamina_struct_timing_{os.getpid()}.json"
+    serve = ["serve", model, "--port", str(args.port), "--device", args.device, "--max-num-seqs", str(max(concs)),
+             "--no-enable-prefix-caching", *args.serve_args.split()]
+    srv = subprocess.Popen([sys.executable, __file__, "--child", timing, "1" if args.sync else "0", *serve],
+                           stdout=open("/tmp/lamina_struct_serve.log", "w"), stderr=subprocess.STDOUT)
+    import urllib.request
+
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=1)
+                break
+            except OSError:
+                if srv.poll() is not None:
+                    sys.exit("the server exited; see /tmp/lamina_struct_serve.log")
+                time.sleep(0.5)
+        results = []
+        for c in concs:
+            for schema in (None, args.schema):
+                tag = "schema" if schema else "plain"
+                out = f"/tmp/lamina_struct_bench_{tag}_{c}.json"
+                before, t0 = _read(timing), time.time()
+                core = (_children(srv.pid) or [0])[-1]
+                cpu0 = {"server": _cpu_seconds(srv.pid), "core": _cpu_seconds(core)}
+                cmd = [sys.executable, "-m", "lamina.cli", "bench", "serve", "--base-url",
+                       f"http://127.0.0.1:{args.port}", "--num-prompts", str(max(4, args.prompts_per_client * c)),
+                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                       "--max-concurrency", str(c), "--vocab-size", "151936", "--num-warmups", "2",
+                       "--disable-tqdm", "--result-file", out] + (["--json-schema", schema] if schema else [])
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                _wait_idle(timing, t0)
+                cpu = {"server": _cpu_seconds(srv.pid) - cpu0["server"], "core": _cpu_seconds(core) - cpu0["core"]}
+                tpot = _tpot(out)
+                results.append({"concurrency": c, **_report(f"c={c} {tag}", _diff(_read(timing), before), tpot, cpu)})
+        req = _read(timing).get("requests", {})
+        print("per request:", {k: round(v * 1e3, 3) if k.endswith("_s") else int(v) for k, v in req.items()},
+              "(times in ms, totals)")
+        if args.result_file:
+            Path(args.result_file).write_text(json.dumps({"runs": results, "requests": req}, indent=1))
+    finally:
+        srv.terminate()
+        srv.wait(30)
+
+
+def _tpot(path: str) -> float | None:
+    r = _read(path)
+    runs = r.get("runs") or [r]
+    for run in runs:
+        for k in ("tpot_p50_ms", "median_tpot_ms"):
+            if k in run:
+                return run[k]
+        tp = run.get("tpot_ms") or run.get("tpot")
+        if isinstance(tp, dict):
+            return tp.get("p50")
+    return None
+
+
+if __name__ == "__main__":
+    main()
