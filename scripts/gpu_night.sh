@@ -21,6 +21,6 @@ sel() { [ ${#all[@]} -eq 0 ] || [[ " ${all[*]} " == *" $1 "* ]]; }
 sel attention && stage attention 200 python3 scripts/gpu_attention_bench.py
 sel families && stage families 320 python3 scripts/gpu_families_bench.py
 sel spec && stage spec 320 python3 scripts/gpu_spec_bench.py
-sel structured && stage structured 150 bash scripts/gpu_structured.sh
+sel structured && stage structured 170 bash scripts/gpu_vllm.sh structured
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"
