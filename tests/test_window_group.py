@@ -202,3 +202,16 @@ def test_ngram_drafts_rejected_and_trimmed_give_the_same_tokens(mixed_ckpt):
     assert trims  # drafts were verified (and some blocks grown for them may have been trimmed)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert all_free(llm)
+
+
+def test_memory_budget_goes_to_the_primary_pool(mixed_ckpt):
+    budget = 0.002  # GiB
+    llm = make(mixed_ckpt, kv_cache_memory_gb=budget, max_num_seqs=2, max_num_batched_tokens=8)
+    kv = llm.engine.kv_cache
+    specs = kv.specs
+    prim = kv.bytes_per_block([s for s, w in zip(specs, kv.windowed) if not w], BS)
+    win = kv.bytes_per_block([s for s, w in zip(specs, kv.windowed) if w], BS)
+    shared = int(budget * 2**30) // (prim + win)  # what one shared table would have had
+    assert kv.window_blocks == window_pool_blocks(WINDOW, BS, 2, 8) < shared
+    assert kv.nbytes <= budget * 2**30 and kv.num_blocks > 3 * shared  # 3 of the 4 layers are sliding ones
+    assert llm.engine.max_model_len >= min(kv.num_blocks * BS, llm.engine.model_config.max_position_embeddings)
