@@ -283,6 +283,7 @@ def bench_mixed_graph() -> dict:
 
 
 def main() -> None:
+    global H, P, G, N, DEV, DTYPE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ptxas", action="store_true", help="compile for sm_90a and report registers (no GPU needed)")
     ap.add_argument("--sweep", action="store_true", help="also time tile alternatives")
@@ -296,7 +297,6 @@ def main() -> None:
 
         print(json.dumps({"ptxas_sm90a": ptxas_report(H, P, G, N)}, indent=1))
         return
-    global H, P, G, N, DEV, DTYPE
     if args.smoke:  # tiny shapes through the interpreter: every code path, no meaningful numbers
         os.environ["TRITON_INTERPRET"] = "1"
         from lamina.kernels.interpreter import patch_triton_interpreter

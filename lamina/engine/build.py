@@ -168,11 +168,14 @@ def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: in
     from lamina.engine.cuda_graph import CudaGraphRunner
 
     pad = state_pool.padding_slot if state_pool is not None else None
-    # A layer whose prefill plans from host query lengths (MLA's expanded form) says mixed_graphs = False:
-    # such models replay decode graphs only.
+    # A layer that cannot run a step from device metadata says mixed_graphs = False: such models replay decode
+    # graphs only. One whose graph path costs more per token than its eager one (MLA's absorbed prefill rows)
+    # caps the mixed graphs' token count (mixed_graph_max_tokens); larger mixed steps run eagerly.
     mixed = None if all(getattr(m, "mixed_graphs", True) for m in model.modules()) else False
+    caps = [m.mixed_graph_max_tokens for m in model.modules() if getattr(m, "mixed_graph_max_tokens", None)]
+    tokens = min([config.max_num_batched_tokens, *caps])
     graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad,
-                             config.max_num_batched_tokens, mixed=mixed)
+                             tokens, mixed=mixed)
     graphs.capture()
     return graphs
 
