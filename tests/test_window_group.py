@@ -215,3 +215,28 @@ def test_memory_budget_goes_to_the_primary_pool(mixed_ckpt):
     assert kv.window_blocks == window_pool_blocks(WINDOW, BS, 2, 8) < shared
     assert kv.nbytes <= budget * 2**30 and kv.num_blocks > 3 * shared  # 3 of the 4 layers are sliding ones
     assert llm.engine.max_model_len >= min(kv.num_blocks * BS, llm.engine.model_config.max_position_embeddings)
+
+
+def test_drop_dead_blocks_after_a_null_prefix():
+    from lamina.cache.sliding_window import drop_dead_blocks
+
+    a = BlockAllocator(20, reserve_null=True)
+    null, blocks = a.null_block, a.allocate(8)
+    a.free(blocks[:3])
+    table = [null] * 3 + blocks[3:]  # what an earlier drop (or a windowed prefix hit) leaves
+    # A query at 26 reads keys from 26 - 6 + 1 = 21: blocks 0..4 are dead, of which 3 and 4 are still held.
+    new, n = drop_dead_blocks(table, 26, a, BS, 6)
+    assert n == 2 and new == [null] * 5 + blocks[5:] and a.num_free == 19 - 3
+    again, m = drop_dead_blocks(new, 26, a, BS, 6)
+    assert m == 0 and again is new
+
+
+def test_window_pool_never_exceeds_its_sizing_bound(mixed_ckpt):
+    # Many sequences on a small budget: some are left out of steps with their last chunk's blocks, which the
+    # per-step drop over every running sequence returns before the bound (window_pool_blocks) can be crossed.
+    prompts = [{"prompt_token_ids": list(range(6000 + 50 * i, 6000 + 50 * i + 17 + 5 * i))} for i in range(5)]
+    llm = make(mixed_ckpt, num_kv_blocks=200, max_num_batched_tokens=8, max_num_seqs=4)
+    peak = track_peak(llm.engine.window_group.allocator)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert peak[0] <= window_pool_blocks(WINDOW, BS, 4, 8) - 1  # the null block is not leasable
+    assert all_free(llm)

@@ -59,13 +59,24 @@ def window_blocks(window: int, chunk: int, block_size: int) -> int:
 def drop_dead_blocks(table: list[int], position: int, allocator: BlockAllocator, block_size: int,
                      window: int) -> tuple[list[int], int]:
     """Frees the blocks of `table` wholly before the window of a query at `position` and returns (the table
-    with their entries pointing at the null block: a new list if anything changed, and how many went back)."""
+    with their entries pointing at the null block: a new list if anything changed, and how many went back).
+
+    A table's null entries always form a prefix (drops null a prefix, a prefix-cache hit starts with one,
+    growth appends blocks), so a call that has nothing to drop costs O(1) and one that has, a binary search
+    for where the nulls end plus the new list: this runs for every running sequence every step."""
     null = allocator.null_block
     assert null is not None, "the allocator must reserve a null block"
     n = min(first_live_block(position, window, block_size), len(table))
-    dead = [b for b in table[:n] if b != null]
-    if not dead:
+    if n == 0 or table[n - 1] == null:
         return table, 0
+    lo, hi = 0, n - 1  # the first non-null entry is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if table[mid] == null:
+            lo = mid + 1
+        else:
+            hi = mid
+    dead = table[lo:n]
     allocator.free(dead)  # oldest first, so a registered one is evicted before the ones dropped after it
     return [null] * n + table[n:], len(dead)
 

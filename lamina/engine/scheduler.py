@@ -137,6 +137,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        if self.window_group is not None:  # also the sequences this step leaves out: their last chunk's blocks
+            for seq in self.running:        # fall out of the window, which the pool's sizing counts on
+                self.window_group.drop(seq)
         scheduled: list[ScheduledSeq] = []
         preempted = False
         shares = self._pressure()
