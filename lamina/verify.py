@@ -10,6 +10,12 @@ the tolerances of the dtype lamina ran at and the greedy tokens agree, except wh
 closer than the max tolerance (a tie that either engine may break). Exit status 1 when a prompt fails.
 
 lamina runs first and is released before HF loads, so only one copy of the weights is held at a time.
+
+A GGUF is compared dequantized by default, as HF reads it: that checks lamina's reading of the file (config,
+tensor names, block types) to fp32 precision. --keep-quantized runs lamina on the blocks as it serves them
+(packed int4/int8 kernels, checked against the dequantized weights by their own tests); on the CPU torch's
+int4 matmul computes in bf16, so that run needs bf16 tolerances (measured on SmolLM2 Q4_1: max 0.12, mean
+0.02 against HF's fp32; dequantized: max 5e-6). MODEL may also be a built-in name (smollm2-135m-instruct).
 """
 from __future__ import annotations
 
@@ -51,7 +57,7 @@ def add_verify_parser(sub) -> None:
                        formatter_class=HelpFormatter,
                        description="Loads MODEL in HF transformers and in lamina, runs prompts, prints per-prompt "
                                    "max and mean |delta logprob| and greedy agreement; exit 1 on FAIL.")
-    p.add_argument("model", help="HF model directory or .gguf file")
+    p.add_argument("model", help="HF model directory, .gguf file or built-in name")
     p.add_argument("--prompts", type=Path, default=None,
                    help="file with one prompt per line, \\n for a newline inside one (default: built-in)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both engines run")
@@ -59,6 +65,9 @@ def add_verify_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--max-delta", type=float, default=None, help="override the dtype's max |delta| tolerance")
     p.add_argument("--mean-delta", type=float, default=None, help="override the dtype's mean |delta| tolerance")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="GGUF: run lamina on its quantized blocks (the serving path) instead of dequantized weights; "
+                        "on the CPU use --dtype bfloat16 tolerances (torch's int4 matmul computes in bf16)")
     p.set_defaults(func=cmd_verify)
 
 
@@ -76,12 +85,14 @@ def read_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
-def run_lamina(model: str, prompts: list[str], device: str, dtype: str, max_tokens: int):
+def run_lamina(model: str, prompts: list[str], device: str, dtype: str, max_tokens: int,
+               dequantize_gguf: bool = True):
     """(token ids, lamina's logprob of each position's token from position 1 on, number of greedy tokens)
     per prompt."""
     from lamina import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, device=device, progress=False, enable_prefix_caching=False)
+    llm = LLM(model=model, dtype=dtype, device=device, progress=False, enable_prefix_caching=False,
+              dequantize_gguf=dequantize_gguf)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, prompt_logprobs=0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     runs = []
@@ -135,10 +146,12 @@ def compare(prompt: str, hf, ids: list[int], ours: list[float], num_greedy: int,
 
 
 def verify(model: str, prompts: list[str], device: str = "cpu", dtype: str = "float32", max_tokens: int = 32,
-           max_tol: float | None = None, mean_tol: float | None = None) -> list[PromptResult]:
-    """Runs the comparison; tolerances default to TOLERANCES[dtype]."""
+           max_tol: float | None = None, mean_tol: float | None = None,
+           keep_quantized: bool = False) -> list[PromptResult]:
+    """Runs the comparison; tolerances default to TOLERANCES[dtype]. keep_quantized: a GGUF's blocks stay
+    quantized in lamina (else it dequantizes them at load, as HF does)."""
     max_tol, mean_tol = tolerances(dtype, max_tol, mean_tol)
-    runs = run_lamina(model, prompts, device, dtype, max_tokens)
+    runs = run_lamina(model, prompts, device, dtype, max_tokens, dequantize_gguf=not keep_quantized)
     hf = load_hf(model, device)
     return [compare(p, hf, ids, lps, n, device, max_tol, mean_tol) for p, (ids, lps, n) in zip(prompts, runs)]
 
@@ -148,6 +161,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1")
+    from lamina.models.builtin import BUILTIN
+
+    if args.model in BUILTIN:  # the file inside its package (resolve_source says how to install a missing one)
+        from lamina.models.loader import resolve_source
+
+        try:
+            args.model = str(resolve_source(args.model).path)
+        except FileNotFoundError as exc:  # its package is not installed
+            raise UsageError(str(exc)) from None
     path = Path(args.model)
     if not (path.is_file() and path.suffix == ".gguf") and not (path / "config.json").is_file():
         raise UsageError(f"{args.model} is neither a .gguf file nor a directory with config.json")
@@ -158,8 +180,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise UsageError("--device cuda: no CUDA device here")
     prompts = read_prompts(args.prompts)
     max_tol, mean_tol = tolerances(args.dtype, args.max_delta, args.mean_delta)
-    results = verify(args.model, prompts, args.device, args.dtype, args.max_tokens, max_tol, mean_tol)
-    print(f"lamina verify {args.model} ({args.dtype} on {args.device}; HF transformers fp32 is the reference; "
+    results = verify(args.model, prompts, args.device, args.dtype, args.max_tokens, max_tol, mean_tol,
+                     args.keep_quantized)
+    gguf = "; GGUF kept quantized" if args.keep_quantized else "; GGUF dequantized" if path.suffix == ".gguf" else ""
+    print(f"lamina verify {args.model} ({args.dtype} on {args.device}{gguf}; HF transformers fp32 is the reference; "
           f"tolerance max {max_tol:g}, mean {mean_tol:g})")
     for i, r in enumerate(results, 1):
         tie = " (then a near-tie)" if r.tie_at_split else ""

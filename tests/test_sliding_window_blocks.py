@@ -48,16 +48,18 @@ def all_free(llm: LLM) -> bool:
 
 def test_horizon_needs_every_kv_layer_sliding():
     sw = [SlidingWindowSpec(2, 16, torch.float32, 8), SlidingWindowSpec(2, 16, torch.float32, 5)]
-    assert release_horizon(sw) == 5
+    assert release_horizon(sw) == 8  # a block is dead only once the widest window left it
     assert release_horizon(sw + [FullAttentionSpec(2, 16, torch.float32)]) is None
     assert release_horizon([]) is None
 
 
-def test_models_with_global_layers_keep_every_block(tmp_path, smol_tokenizer):
+def test_models_with_global_layers_keep_every_block_in_the_primary_table(tmp_path, smol_tokenizer):
+    # Their sliding layers drop blocks from a table of their own instead (tests/test_window_group.py).
     path = make_gemma_checkpoint(tmp_path / "g2", "gemma2", smol_tokenizer)
     llm = make(path, num_kv_blocks=32)
     assert llm.engine.allocator.null_block is None and llm.engine.scheduler.window is None
     assert llm.engine.allocator.num_blocks == 32
+    assert llm.engine.window_group is not None and llm.engine.window_group.window == WINDOW
 
 
 def test_drop_frees_only_blocks_before_the_window():

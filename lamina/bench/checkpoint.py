@@ -9,7 +9,9 @@ from pathlib import Path
 # HF model_type of each preset architecture (AutoConfig.for_model needs the type, presets name the class).
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "Qwen3NextForCausalLM": "qwen3_next", "NemotronHForCausalLM": "nemotron_h"}
+               "Qwen3NextForCausalLM": "qwen3_next", "NemotronHForCausalLM": "nemotron_h",
+               "Gemma3ForCausalLM": "gemma3_text", "DeepseekV2ForCausalLM": "deepseek_v2",
+               "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Files of an HF tokenizer directory that a served checkpoint needs (the ones present are copied).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")

@@ -70,16 +70,18 @@ def hf_generate_batch(model, wl: Workload, device: torch.device, max_batch_token
 
 
 @torch.inference_mode()
-def hf_latency(model, prompt: list[int], output_len: int, device: torch.device) -> dict[str, float]:
+def hf_latency(model, prompt: list[int], output_len: int, device: torch.device, **generate_kw) -> dict[str, float]:
+    """Batch-1 TTFT and decode rate of plain `generate` (its default cache; generate_kw: e.g. a static one)."""
     ids = torch.tensor([prompt], device=device)
-    model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+    kw = {"do_sample": False, "pad_token_id": 0, **generate_kw}
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
     _sync(device)
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
     _sync(device)
     ttft = time.perf_counter() - start
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
     _sync(device)
     total = time.perf_counter() - start
     return {"ttft_s": ttft, "decode_tok_s": (output_len - 1) / max(total - ttft, 1e-9)}

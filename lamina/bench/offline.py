@@ -88,14 +88,17 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 def state_bytes_per_token(model: torch.nn.Module, context_len: int, kv_dtype: torch.dtype | None = None) -> int:
     """Bytes of per-sequence state one decode step reads or writes: the recurrent and conv states of the
-    state layers (read and written back), and the KV cache of the attention layers at context_len (in
-    kv_dtype when the pool's differs from the model's, --kv-cache-dtype)."""
+    state layers (read and written back), and the KV cache of the attention layers at context_len (a
+    sliding-window layer reads at most its window; in kv_dtype when the pool's differs from the model's,
+    --kv-cache-dtype)."""
+    from lamina.cache.specs import SlidingWindowSpec
     from lamina.cache.state_layout import StateLayout
 
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() >= 2)
     layout = StateLayout.collect(model.state_layers(), dtype, kv_dtype)  # the compute dtype, not a packed weight's
     state = 2 * layout.bytes_per_slot()
-    kv = layout.kv_bytes_per_block(1) * context_len
+    kv = sum(s.bytes_per_block(1) * (min(context_len, s.window) if isinstance(s, SlidingWindowSpec) else context_len)
+             for s in layout.kv_specs)
     return state + kv
 
 

@@ -11,6 +11,7 @@ from array import array
 from typing import Protocol
 
 from lamina.cache.block_allocator import BlockAllocator
+from lamina.cache.kv_groups import WindowGroup
 from lamina.cache.sliding_window import first_live_block
 from lamina.cache.state_snapshots import StateSnapshots
 
@@ -37,6 +38,7 @@ class CachedSequence(Protocol):
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
+    window_table: list[int]
     state_slot: int | None
     block_hashes: list[bytes]
     num_registered_blocks: int
@@ -52,8 +54,11 @@ class CachedSequence(Protocol):
 
 class PrefixCache:
     def __init__(self, allocator: BlockAllocator, block_size: int, snapshots: StateSnapshots | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, window_group: WindowGroup | None = None) -> None:
         self.allocator, self.block_size = allocator, block_size
+        # Models mixing sliding-window and full layers: blocks are registered in both groups' allocators, and
+        # a hit also needs the window group's blocks its first query's window reaches (cache/kv_groups.py).
+        self.window_group = window_group
         self.snapshots = snapshots  # hybrid models: recurrent-state snapshots keyed by the same chain hashes
         # Sliding-window-only models (cache/sliding_window.py): a hit needs only the blocks the window of its
         # first computed token reaches; the ones before it come back as the allocator's null block.
@@ -77,7 +82,8 @@ class PrefixCache:
         """Cached blocks for the longest usable matching prefix, each now shared by `seq`, and (hybrid models)
         the snapshot to restore at its end. At least one token is always left to compute, since the step must
         produce logits. With snapshots, the prefix ends at the deepest block whose chain hash has both a
-        cached KV block chain up to it and a state snapshot: KV without the state there is useless."""
+        cached KV block chain up to it and a state snapshot: KV without the state there is useless. With a
+        window group the sequence's window_table is set to that group's blocks of the same prefix."""
         usable = (seq.num_tokens - 1) // self.block_size
         hashes = self._hashes(seq, usable)
         if self.window is not None:
@@ -88,6 +94,8 @@ class PrefixCache:
             if b is None:
                 break
             found.append(b)
+        if self.window_group is not None:
+            return self._match_mixed(seq, hashes, found)
         snap = None
         if self.snapshots is not None:
             depth = 0
@@ -118,6 +126,28 @@ class PrefixCache:
         start = first_live_block(best * bs, self.window, bs)
         found = [self.allocator.null_block] * start + blocks[start:best]
         for b in found[start:]:
+            self.allocator.share(b)
+        return found, snap
+
+    def _match_mixed(self, seq: CachedSequence, hashes: list[bytes], found: list[int]) -> tuple[list[int], int | None]:
+        """The deepest prefix of d blocks within the primary chain `found` whose window-group blocks
+        [first_live_block(d * bs), d) are cached too (and, with snapshots, that has a snapshot at its end)."""
+        bs, wg = self.block_size, self.window_group
+        wins = [wg.allocator.lookup(h) for h in hashes[:len(found)]]
+        run, best, snap = 0, 0, None
+        for d in range(1, len(found) + 1):
+            run = run + 1 if wins[d - 1] is not None else 0
+            if run < d - first_live_block(d * bs, wg.window, bs):
+                continue
+            s = self.snapshots.lookup(hashes[d - 1]) if self.snapshots is not None else None
+            if self.snapshots is None or s is not None:
+                best, snap = d, s
+        start = first_live_block(best * bs, wg.window, bs)
+        seq.window_table = [wg.allocator.null_block] * start + wins[start:best]
+        for b in seq.window_table[start:]:
+            wg.allocator.share(b)
+        found = found[:best]
+        for b in found:
             self.allocator.share(b)
         return found, snap
 
@@ -213,6 +243,9 @@ class PrefixCache:
         hashes = self._hashes(seq, full)
         for i in range(seq.num_registered_blocks, full):
             self.allocator.register(seq.block_table[i], hashes[i])
+        if self.window_group is not None:  # a dropped (null) entry registers nothing
+            for i in range(seq.num_registered_blocks, min(full, len(seq.window_table))):
+                self.window_group.allocator.register(seq.window_table[i], hashes[i])
         seq.num_registered_blocks = full
         if seq.claimed:
             self.unclaim(seq, full)

@@ -1,11 +1,12 @@
 """Freeing the KV blocks that fell out of every sliding window.
 
-All KV layers share one block table (cache/specs.py), so a block can go back to the pool only when no layer
-will read it again. With full-attention layers in the model (Gemma 2/3 interleave them) that never happens:
-those layers read every past token. When every KV layer is a sliding-window layer (Mistral, Gemma 3
-variants configured sliding-only), a query at position p reads keys (p - window, p] and later queries sit
-further right, so the blocks wholly before the horizon of the earliest query a step computes are dead: they
-are returned to the allocator and their block-table entries point at the allocator's null block from then on.
+The KV layers that share a block table (cache/specs.py) can give a block back only when none of them will
+read it again. A query at position p of a sliding-window layer reads keys (p - window, p] and later queries
+sit further right, so the blocks wholly before the horizon of the earliest query a step computes are dead:
+they are returned to the allocator and their block-table entries point at the allocator's null block from
+then on. That applies to the one table of a model whose KV layers are all sliding-window ones (Mistral,
+Gemma 3 variants configured sliding-only), and to the window group's table of a model that interleaves them
+with full-attention layers (Gemma 2/3: cache/kv_groups.py), whose full layers keep every block in theirs.
 
 Why this is safe:
   - The entries are replaced before the step's blocks are allocated and relative to the first position the
@@ -36,11 +37,12 @@ class WindowedSequence(Protocol):
 
 
 def release_horizon(specs: Seq[BlockSpec]) -> int | None:
-    """The window after which blocks are dead: the smallest window when every KV layer is sliding-window,
-    else None (some layer reads the whole context, or there is no KV layer)."""
+    """The window after which blocks are dead: the largest window (a block is dead once no layer reads it)
+    when every KV layer is sliding-window, else None (some layer reads the whole context, or there is no KV
+    layer)."""
     if not specs or not all(isinstance(s, SlidingWindowSpec) for s in specs):
         return None
-    return min(s.window for s in specs)
+    return max(s.window for s in specs)
 
 
 def first_live_block(position: int, window: int, block_size: int) -> int:
@@ -54,16 +56,33 @@ def window_blocks(window: int, chunk: int, block_size: int) -> int:
     return (window - 1 + chunk + block_size - 1) // block_size + 1
 
 
+def drop_dead_blocks(table: list[int], position: int, allocator: BlockAllocator, block_size: int,
+                     window: int) -> tuple[list[int], int]:
+    """Frees the blocks of `table` wholly before the window of a query at `position` and returns (the table
+    with their entries pointing at the null block: a new list if anything changed, and how many went back).
+
+    A table's null entries always form a prefix (drops null a prefix, a prefix-cache hit starts with one,
+    growth appends blocks), so a call that has nothing to drop costs O(1) and one that has, a binary search
+    for where the nulls end plus the new list: this runs for every running sequence every step."""
+    null = allocator.null_block
+    assert null is not None, "the allocator must reserve a null block"
+    n = min(first_live_block(position, window, block_size), len(table))
+    if n == 0 or table[n - 1] == null:
+        return table, 0
+    lo, hi = 0, n - 1  # the first non-null entry is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if table[mid] == null:
+            lo = mid + 1
+        else:
+            hi = mid
+    dead = table[lo:n]
+    allocator.free(dead)  # oldest first, so a registered one is evicted before the ones dropped after it
+    return [null] * n + table[n:], len(dead)
+
+
 def drop_out_of_window(seq: WindowedSequence, allocator: BlockAllocator, block_size: int, window: int) -> int:
     """Frees the sequence's blocks wholly before the window of its next query (num_computed_tokens) and
     points their entries at the null block; returns how many blocks went back."""
-    null = allocator.null_block
-    assert null is not None, "the allocator must reserve a null block"
-    table = seq.block_table
-    n = min(first_live_block(seq.num_computed_tokens, window, block_size), len(table))
-    dead = [b for b in table[:n] if b != null]
-    if not dead:
-        return 0
-    seq.block_table = [null] * n + table[n:]
-    allocator.free(dead)  # oldest first, so a registered one is evicted before the ones dropped after it
-    return len(dead)
+    seq.block_table, n = drop_dead_blocks(seq.block_table, seq.num_computed_tokens, allocator, block_size, window)
+    return n

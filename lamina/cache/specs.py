@@ -8,8 +8,9 @@ modules; layers never allocate their state.
 
 Two families of state:
   - BlockSpec: paged, per token, leased in fixed-size blocks through the block table (full attention, sliding
-    window attention, a latent MLA cache). Every KV layer shares one block table, so the pool's bytes per
-    block is the sum over these specs.
+    window attention, a latent MLA cache). The KV layers share one block table, so the pool's bytes per
+    block is the sum over these specs; except that a model mixing sliding-window with full layers gives the
+    sliding ones a block table and pool of their own (cache/kv_groups.py).
   - SlotSpec: fixed size per sequence, one slot per sequence for its lifetime (recurrent state: any number of
     named tensors with their own shapes and dtypes). Snapshots and candidate states are further rows of the
     same declared tensors (cache/state_snapshots.py, StatePool.copy_slot).
@@ -29,10 +30,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 # ---- paged (per-block) state ---------------------------------------------------------------------------
 @dataclass
 class KVBlocks:
-    """The view a full/sliding attention layer is bound to: k, v [num_blocks, block_size, num_kv_heads, D]."""
+    """The view a full/sliding attention layer is bound to: k, v [num_blocks, block_size, num_kv_heads, D].
+    windowed: the view is a block of the window group's pool (cache/kv_groups.py): the layer addresses it
+    through AttentionMetadata.window, not the primary block tables."""
 
     k: torch.Tensor
     v: torch.Tensor
+    windowed: bool = False
 
 
 @dataclass
@@ -61,9 +65,9 @@ class FullAttentionSpec:
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
-    """K and V of the last `window` tokens. Laid out like full attention; the window is carried so that, when
-    every KV layer is a sliding-window one, the blocks that fell out of all windows go back to the pool
-    (cache/sliding_window.py). With a full-attention layer in the model every block stays."""
+    """K and V of the last `window` tokens. Laid out like full attention; the window is carried so that the
+    blocks that fell out of the window go back to the pool (cache/sliding_window.py): from the one shared
+    table when every KV layer is a sliding-window one, else from the window group's own (cache/kv_groups.py)."""
 
     window: int
 

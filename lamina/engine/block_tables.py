@@ -4,7 +4,8 @@ A sequence keeps its row from its first step until its row is needed for another
 longer running are reclaimed lazily). Each step only the entries that changed travel: a sequence that is new
 to its row, or whose table was replaced (preemption, a prefix-cache match), sends its whole table; one that
 grew sends its new blocks. The host mirror is what slot mappings are computed from; the device table is
-what the step's [B, width] block tables are gathered from.
+what the step's [B, width] block tables are gathered from. `attr` names the sequence's table these rows
+mirror (the window group's is `window_table`, cache/kv_groups.py).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ class _Row:
 
 
 class BlockTables:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, attr: str = "block_table") -> None:
+        self.device, self.attr = device, attr
         self.host = np.zeros((0, 0), np.int32)
         self.table = torch.zeros(0, 0, dtype=torch.int32, device=device)
         self._rows: dict[int, int] = {}  # seq_id -> row
@@ -65,7 +66,8 @@ class BlockTables:
     def update(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows of `seqs` (this step's sequences, in order), after updating the host mirror; and the changed
         entries as (flat index into the device table, block id) for apply()."""
-        width = max(len(s.block_table) for s in seqs)
+        attr = self.attr
+        width = max(len(getattr(s, attr)) for s in seqs)
         self._grow(len(seqs), width)
         rows = np.empty(len(seqs), np.int64)
         flat: list[int] = []
@@ -75,9 +77,9 @@ class BlockTables:
             if r is None or self._owner[r].seq is not seq:
                 r = self._free_row()
                 self._rows[seq.seq_id] = r
-                self._owner[r] = _Row(seq, seq.block_table, 0)
+                self._owner[r] = _Row(seq, getattr(seq, attr), 0)
             rec = self._owner[r]
-            table = seq.block_table
+            table = getattr(seq, attr)
             if rec.table is not table:
                 rec.table, rec.synced = table, 0
             if rec.synced < len(table):

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.kv_cache import KVCache
+from lamina.cache.kv_groups import WindowGroup, mixed_window, window_pool_blocks, windowed_layers
 from lamina.cache.sliding_window import release_horizon, window_blocks
 from lamina.cache.state_layout import StateLayout
 from lamina.cache.state_pool import StatePool
@@ -86,11 +88,37 @@ def step_peak_bytes(model: torch.nn.Module, layout: StateLayout, config: EngineC
 
 
 def build_kv_cache(layout: StateLayout, config: EngineConfig, device: torch.device, peak: int) -> KVCache:
-    """The KV pool, sized from the layers' specs and the memory budget, bound into the layers."""
-    num_blocks = plan_kv_blocks(config, layout.kv_bytes_per_block(config.block_size), device, peak)
-    kv = KVCache(layout.kv_specs, num_blocks, config.block_size, device)
+    """The KV pool, sized from the layers' specs and the memory budget, bound into the layers.
+
+    A model mixing sliding-window and full layers (cache/kv_groups.py): the window group's pool gets what its
+    sequences can hold at most (window_pool_blocks; never more blocks than the primary pool plus its null
+    block), and the primary pool the rest of the budget. An explicit num_kv_blocks counts primary blocks."""
+    bs = config.block_size
+    windowed = windowed_layers(layout.kv_specs)
+    if not any(windowed):
+        num_blocks = plan_kv_blocks(config, layout.kv_bytes_per_block(bs), device, peak)
+        kv = KVCache(layout.kv_specs, num_blocks, bs, device)
+        layout.bind_kv(kv.views)
+        return kv
+    prim = KVCache.bytes_per_block([s for s, w in zip(layout.kv_specs, windowed) if not w], bs)
+    win = KVCache.bytes_per_block([s for s, w in zip(layout.kv_specs, windowed) if w], bs)
+    need = window_pool_blocks(mixed_window(layout.kv_specs), bs, config.max_num_seqs, config.max_num_batched_tokens)
+    shared = plan_kv_blocks(config, prim + win, device, peak)  # the blocks one shared table would get
+    num_window = min(need, shared + 1)
+    num_blocks = shared
+    if config.num_kv_blocks is None:  # the window pool's savings go to the primary pool
+        num_blocks = max(1, (shared * (prim + win) - num_window * win) // prim)
+    kv = KVCache(layout.kv_specs, num_blocks, bs, device, windowed, num_window)
     layout.bind_kv(kv.views)
     return kv
+
+
+def build_window_group(layout: StateLayout, kv: KVCache, block_size: int) -> WindowGroup | None:
+    """The window group's allocator over its pool (cache/kv_groups.py); None when the model has none."""
+    window = mixed_window(layout.kv_specs)
+    if window is None:
+        return None
+    return WindowGroup(BlockAllocator(kv.window_blocks, reserve_null=True), window, block_size)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, pool_tokens: int) -> int:
@@ -125,8 +153,9 @@ def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: Mode
         if per_seq <= kv.num_blocks - 1:  # one block is the null block
             pool_tokens = max(pool_tokens, model_config.max_position_embeddings)
     max_model_len = resolve_max_model_len(config, model_config, pool_tokens)
-    log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB); step activations profiled at %.2f GiB",
-             kv.num_blocks, config.block_size, pool_tokens, kv.nbytes / 2**30, peak / 2**30)
+    log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB%s); step activations profiled at %.2f GiB",
+             kv.num_blocks, config.block_size, pool_tokens, kv.nbytes / 2**30,
+             f", sliding layers' {kv.window_blocks} blocks included" if kv.window_blocks else "", peak / 2**30)
     return Pools(layout, kv, state_pool, snapshots, max_model_len)
 
 
@@ -140,11 +169,14 @@ def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: in
     from lamina.engine.cuda_graph import CudaGraphRunner
 
     pad = state_pool.padding_slot if state_pool is not None else None
-    # A layer whose prefill plans from host query lengths (MLA's expanded form) says mixed_graphs = False:
-    # such models replay decode graphs only.
+    # A layer that cannot run a step from device metadata says mixed_graphs = False: such models replay decode
+    # graphs only. One whose graph path costs more per token than its eager one (MLA's absorbed prefill rows)
+    # caps the mixed graphs' token count (mixed_graph_max_tokens); larger mixed steps run eagerly.
     mixed = None if all(getattr(m, "mixed_graphs", True) for m in model.modules()) else False
+    caps = [m.mixed_graph_max_tokens for m in model.modules() if getattr(m, "mixed_graph_max_tokens", None)]
+    tokens = min([config.max_num_batched_tokens, *caps])
     graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad,
-                             config.max_num_batched_tokens, mixed=mixed)
+                             tokens, mixed=mixed)
     graphs.capture()
     return graphs
 

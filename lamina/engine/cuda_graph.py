@@ -82,8 +82,10 @@ class CudaGraphRunner:
             if on else []
         self.keys = graph_keys(self.decode_sizes, self.mixed_sizes, max_num_seqs)
         max_blocks = (max_model_len + block_size - 1) // block_size
+        # Sliding layers bound to the window group's pool (cache/kv_groups.py) read their own tables and slots.
+        windowed = any(getattr(getattr(m, "_kv", None), "windowed", False) for m in model.modules())
         self.inputs = GraphInputs(max(k.tokens for k in self.keys), max(k.seqs for k in self.keys), max_blocks,
-                                  device, padding_slot)
+                                  device, padding_slot, windowed)
         hidden_size = model.config.hidden_size
         # the compute dtype: the first 16/32-bit float parameter (packed or FP8 weights store other types)
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() >= 2)

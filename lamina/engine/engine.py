@@ -18,7 +18,7 @@ from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.sliding_window import release_horizon
 from lamina.config import EngineConfig
-from lamina.engine.build import build_graphs, build_pools, load_model_and_tokenizer
+from lamina.engine.build import build_graphs, build_pools, build_window_group, load_model_and_tokenizer
 from lamina.engine.detokenizer import DeferredTokenText, initial_state
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
@@ -85,13 +85,15 @@ class LLMEngine:
         # Sliding-window-only models free the blocks that fall out of the window (cache/sliding_window.py).
         window = release_horizon(self.state_layout.kv_specs)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, reserve_null=window is not None)
+        # Sliding-window layers next to full ones keep only their window's blocks, in a pool of their own.
+        self.window_group = build_window_group(self.state_layout, self.kv_cache, bs)
         self.prefix_cache = None
         if config.enable_prefix_caching:
             # Recurrent state cannot be rolled back to a prefix: hybrid models hit only where a snapshot is.
-            self.prefix_cache = PrefixCache(self.allocator, bs, self.snapshots, window)
+            self.prefix_cache = PrefixCache(self.allocator, bs, self.snapshots, window, self.window_group)
         self.scheduler = Scheduler(self.allocator, bs, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.state_pool.allocator if self.state_pool is not None else None,
-                                   self.prefix_cache, window)
+                                   self.prefix_cache, window, self.window_group)
         self.runner = ModelRunner(self.model, bs, self.device)
         self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
         if self.runner.graphs is not None:
@@ -331,6 +333,8 @@ class LLMEngine:
             group.error = f"{type(exc).__name__}: {exc}"
             for s in group.seqs:
                 self.allocator.forget(s.block_table)  # their KV may be garbage: never serve it from cache
+                if self.window_group is not None:
+                    self.window_group.allocator.forget(s.window_table)
                 if self.snapshots is not None:
                     self.snapshots.forget(s.block_hashes)
                 if not s.finished:

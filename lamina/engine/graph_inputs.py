@@ -16,9 +16,12 @@ them afterwards (the runner samples real rows only).
   ever leases, with has_initial_state False: its state is never read (a padded row computes from zeros, so
   whatever earlier padding left there cannot grow into inf/NaN across replays) and only that slot is written.
   Empty slots (query length 0) write nothing at all.
+- a window group (cache/kv_groups.py): its slot mapping and block tables are padded like the primary ones
+  (slot -1 past the batch; stale table entries are never read, the padded sequences having seq_len 0).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +41,7 @@ class GraphMetadata(AttentionMetadata):
 
 class GraphInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 padding_slot: int | None = None) -> None:
+                 padding_slot: int | None = None, windowed: bool = False) -> None:
         kw = {"device": device}
         self.padding_slot = padding_slot
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, **kw)
@@ -49,6 +52,10 @@ class GraphInputs:
         self.decode_query_start = torch.arange(max_seqs + 1, dtype=torch.int32, **kw)  # never written
         self.mixed_query_start = torch.zeros(max_seqs + 1, dtype=torch.int32, **kw)
         self.num_seqs = torch.ones(1, dtype=torch.int32, **kw)
+        self.window_slot_mapping = self.window_block_tables = None
+        if windowed:
+            self.window_slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, **kw)
+            self.window_block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, **kw)
         self.state_slots = self.has_initial_state = None
         if padding_slot is not None:  # hybrid models: padded rows use the state pool's padding slot
             self.state_slots = torch.full((max_seqs,), padding_slot, dtype=torch.long, **kw)
@@ -70,6 +77,8 @@ class GraphInputs:
         meta = batch.ctx.attn
         return (key.tokens <= self.max_tokens and key.seqs <= self.max_seqs
                 and meta.block_tables.shape[1] <= self.max_blocks
+                and (meta.window is None) == (self.window_slot_mapping is None)
+                and (meta.window is None or meta.window.block_tables.shape[1] <= self.max_blocks)
                 and (batch.ctx.state is None) == (self.state_slots is None))
 
     def load(self, batch, key: GraphKey) -> None:
@@ -88,6 +97,11 @@ class GraphInputs:
         self.seq_lens[b:bp].fill_(0)
         # Columns past the batch's width keep stale ids: kernels read block-table entries below seq_len only.
         self.block_tables[:b, : meta.block_tables.shape[1]].copy_(meta.block_tables, **nb)
+        if self.window_slot_mapping is not None:
+            win = meta.window
+            self.window_slot_mapping[:t].copy_(win.slot_mapping, **nb)
+            self.window_slot_mapping[t:tp].fill_(-1)
+            self.window_block_tables[:b, : win.block_tables.shape[1]].copy_(win.block_tables, **nb)
         if not key.decode:
             self.mixed_query_start[: b + 1].copy_(meta.query_start, **nb)
             self.mixed_query_start[b + 1: bp + 1].fill_(tp)
@@ -102,6 +116,8 @@ class GraphInputs:
         """A batch of padding only (what warm-up and capture run on): no KV writes, zeros out of attention."""
         tp, bp = key.tokens, key.seqs
         self.slot_mapping[:tp].fill_(-1)
+        if self.window_slot_mapping is not None:
+            self.window_slot_mapping[:tp].fill_(-1)
         self.seq_lens[:bp].fill_(0)
         if not key.decode:
             self.mixed_query_start[0] = 0
@@ -129,6 +145,9 @@ class GraphInputs:
         launch = AttentionLaunch(True, False) if key.decode else AttentionLaunch(True, True, self.num_seqs)
         meta = GraphMetadata(self.slot_mapping[:tp], qs, self.seq_lens[:bp], self.block_tables[:bp], qs_cpu,
                              lens_cpu, max_q, max_seq, launch=launch)
+        if self.window_slot_mapping is not None:
+            meta = dataclasses.replace(meta, window=dataclasses.replace(
+                meta, slot_mapping=self.window_slot_mapping[:tp], block_tables=self.window_block_tables[:bp]))
         state = None
         if self.state_slots is not None:
             slots, init = self.state_slots[:bp], self.has_initial_state[:bp]

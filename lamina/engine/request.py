@@ -37,6 +37,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # The sliding-window layers' own table when the model also has full layers (cache/kv_groups.py), else [].
+    window_table: list[int] = field(default_factory=list)
     # Tokens a proposer guesses follow token_ids, verified by the next step (not part of token_ids until accepted).
     draft_token_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # state-pool slot (hybrid models), leased while admitted

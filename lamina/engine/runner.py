@@ -84,6 +84,8 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.staging = StepStaging(device)
         self.tables = BlockTables(device)
+        # The window group's rows (cache/kv_groups.py), made on the first step whose sequences have a window table.
+        self.window_tables: BlockTables | None = None
         # The torch reference attention gets its per-step plan built once here, for the model's windows.
         self._ref_windows = None
         if not (device.type == "cuda" and triton_available()):
@@ -142,6 +144,15 @@ class ModelRunner:
         st = self.staging
         parts = [input_ids, positions, slots, logits_idx, qs.astype(np.int32), seq_lens.astype(np.int32), rows,
                  upd_flat, upd_vals, dst, src]
+        # A window group: every scheduled sequence has a window table (a proposer's sequences have none).
+        windowed = bool(getattr(seqs[0], "window_table", None))
+        if windowed:
+            if self.window_tables is None:
+                self.window_tables = BlockTables(self.device, "window_table")
+            w_rows, w_flat, w_vals = self.window_tables.update(seqs)
+            w_slots = (self.window_tables.host[w_rows[tok_seq], positions // bs].astype(np.int64) * bs
+                       + positions % bs)
+            parts += [w_slots, w_rows, w_flat, w_vals]
         hybrid = seqs[0].state_slot is not None  # hybrid model: every admitted sequence holds a slot
         if hybrid:
             state_slots = np.fromiter((s.state_slot for s in seqs), np.int64, b)
@@ -163,9 +174,18 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         attn = AttentionMetadata(d_slots, d_qs, d_lens, self.tables.gather(d_rows, width), qs.tolist(),
                                  seq_lens.tolist(), int(ntok.max()), int(seq_lens.max()))
+        k = 11
+        if windowed:
+            d_wslots, d_wrows, d_wflat, d_wvals = dev[k:k + 4]
+            k += 4
+            self.window_tables.apply(d_wflat, d_wvals)
+            win = dataclasses.replace(attn, slot_mapping=d_wslots, block_tables=self.window_tables.gather(
+                d_wrows, max(len(s.window_table) for s in seqs)))
+            if self._ref_windows is not None:
+                win = dataclasses.replace(win, ref_plan=plan_attention(win, bs, self._ref_windows))
+            attn = dataclasses.replace(attn, window=win)
         if self._ref_windows is not None:
             attn = dataclasses.replace(attn, ref_plan=plan_attention(attn, bs, self._ref_windows))
-        k = 11
         state = None
         if hybrid:
             cands = [s.candidate_slots for s in seqs]

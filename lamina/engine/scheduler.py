@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from lamina.cache.block_allocator import BlockAllocator
+from lamina.cache.kv_groups import WindowGroup, free_tables
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.sliding_window import drop_out_of_window
 from lamina.cache.slot_allocator import SlotAllocator
@@ -63,10 +64,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, state_slots: SlotAllocator | None = None,
-                 prefix_cache: PrefixCache | None = None, window: int | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, window: int | None = None,
+                 window_group: WindowGroup | None = None) -> None:
         self.allocator, self.block_size = allocator, block_size
         # Sliding-window-only models: blocks out of every layer's window go back before each step's growth.
         self.window = window
+        self.window_group = window_group  # sliding layers' own table next to full ones (cache/kv_groups.py)
         self.prefix_cache = prefix_cache
         # Hybrid models: each running sequence also leases a state-pool slot (admitted -> released).
         self.state_slots = state_slots
@@ -86,10 +89,12 @@ class Scheduler:
     def _grow(self, seq: Sequence, n: int) -> bool:
         if self.window is not None:
             drop_out_of_window(seq, self.allocator, self.block_size, self.window)
-        need = self._blocks_needed(seq, n)
-        if need > self.allocator.num_free:
+        need, wg = self._blocks_needed(seq, n), self.window_group
+        if need > self.allocator.num_free or (wg is not None and not wg.fits(seq, len(seq.block_table) + need)):
             return False
         seq.block_table += self.allocator.allocate(need)
+        if wg is not None:
+            wg.grow(seq, len(seq.block_table))
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -103,8 +108,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Returns a sequence's blocks and state slot to the pools (every exit path goes through here)."""
-        self.allocator.free(seq.block_table[::-1])  # tail first: evicted before the shared head
-        seq.block_table = []
+        free_tables(seq, self.allocator, self.window_group)
         seq.num_registered_blocks = 0
         if seq.claimed:
             self.prefix_cache.unclaim(seq)
@@ -128,9 +132,14 @@ class Scheduler:
             # A new list, not shrunk in place: the runner's block-table rows resend a replaced table, while
             # a table shrunk and regrown to its old length would look unchanged to them.
             seq.block_table = seq.block_table[:keep]
+        if self.window_group is not None:
+            self.window_group.trim(seq, keep)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        if self.window_group is not None:  # also the sequences this step leaves out: their last chunk's blocks
+            for seq in self.running:        # fall out of the window, which the pool's sizing counts on
+                self.window_group.drop(seq)
         scheduled: list[ScheduledSeq] = []
         preempted = False
         shares = self._pressure()
@@ -187,8 +196,8 @@ class Scheduler:
         self._reuse_prefix(seq)  # measures what it needs as _admit will (undone below)
         need = self._blocks_needed(seq, self._chunk(seq, budget))
         if seq.block_table:
-            self.allocator.free(seq.block_table[::-1])
-            seq.block_table, seq.num_computed_tokens = [], 0
+            free_tables(seq, self.allocator, self.window_group)
+            seq.num_computed_tokens = 0
         victims = eviction_victims(self.running, shares, seq.request_id, need - self.allocator.num_free)
         if not victims:
             return None, 0
@@ -337,8 +346,8 @@ class Scheduler:
         n = self._chunk(seq, budget)
         if not self._grow(seq, n):
             if hit:  # undo the reuse
-                self.allocator.free(seq.block_table[::-1])
-                seq.block_table, seq.num_computed_tokens = [], 0
+                free_tables(seq, self.allocator, self.window_group)
+                seq.num_computed_tokens = 0
             return None
         if hit is not None:
             self.prefix_cache.count(seq, hit)

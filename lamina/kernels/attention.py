@@ -31,6 +31,10 @@ class AttentionMetadata:
     # The torch reference's grouping and masks, derived once per step by whoever builds the metadata for the
     # reference path (the runner on the CPU); None: paged_attention_ref derives them per call.
     ref_plan: AttentionPlan | None = field(default=None, repr=False)
+    # A model whose sliding-window layers keep a block pool of their own (cache/kv_groups.py): the same step
+    # addressed in that pool (its own slot_mapping, block_tables and ref_plan; every other field equal).
+    # Layers bound to that pool (KVBlocks.windowed) read this one; None for every other model.
+    window: AttentionMetadata | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:

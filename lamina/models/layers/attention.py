@@ -65,6 +65,15 @@ class AttentionBase(nn.Module):
             raise RuntimeError("no KV view bound (the engine binds one before the first forward)")
         return self._kv.v
 
+    def _own(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The step's addressing of the pool this layer is bound to: the window group's (cache/kv_groups.py)
+        for a layer bound to that pool, else the primary one."""
+        if self._kv is None or not self._kv.windowed:
+            return meta
+        if meta.window is None:
+            raise RuntimeError("a layer bound to the window group's pool got a step without its block tables")
+        return meta.window
+
     @property
     def cos_sin_cache(self) -> torch.Tensor:
         return self.rope.table
@@ -72,6 +81,7 @@ class AttentionBase(nn.Module):
     def _norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata) -> torch.Tensor:
         """q/k norm (if the model has it), RoPE, and the KV store in one op; returns the new q."""
+        meta = self._own(meta)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) if self.qk_norm else ()
         ks, vs = self.active_kv_scales
         if vs != 1.0:
@@ -89,6 +99,7 @@ class AttentionBase(nn.Module):
     def _paged_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention over the bound cache; a scaled FP8 cache's k_scale joins the softmax scale and its
         v_scale multiplies the output."""
+        meta = self._own(meta)
         ks, vs = self.active_kv_scales
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale * ks, self.sliding_window,
                               self.softcap)

@@ -38,9 +38,13 @@ _LORA_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the RMSNo
 
 
 class LatentAttention(nn.Module):
-    # Mixed prefill+decode CUDA graphs cannot replay the expanded prefill (it plans from host query lengths);
-    # the engine captures decode graphs only for models with such a layer (engine/build.py).
-    mixed_graphs = False
+    # Mixed prefill+decode CUDA graphs cannot replay the expanded prefill (it plans from host query lengths):
+    # inside one, every row runs the absorbed form instead (_mixed_absorbed: addressed from device metadata
+    # only). That reads each prefill row's whole context from the cache (rows x context work, where the
+    # expanded form lifts the context once), so graphs take mixed steps up to this many tokens only; larger
+    # ones are device-bound and run eagerly, expanded (engine/build.py caps the ladder with it).
+    mixed_graphs = True
+    mixed_graph_max_tokens = 256
     # Elements of expanded K/V (and of scores) one prefill chunk may materialize at once (~1 GiB in bf16);
     # longer contexts take the key-tiled path (_prefill_tiled).
     expand_budget = 1 << 29
@@ -111,9 +115,22 @@ class LatentAttention(nn.Module):
         store_latent(latent, k_pe.view(t, self.rope_dim), self.cache, meta.slot_mapping)
         if meta.is_decode_only:
             out = self._decode(q_nope, q_pe, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu, meta.max_seq_len)
+        elif getattr(meta, "launch", None) is not None:  # a mixed CUDA graph's metadata (graph_inputs.py)
+            out = self._mixed_absorbed(q_nope, q_pe, positions, meta)
         else:
             out = self._mixed(q_nope, q_pe, meta)
         return self.o_proj(out.reshape(t, h * self.v_dim))
+
+    def _mixed_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """Every row in the absorbed form, from device metadata only (what a mixed graph may read): row r is a
+        one-query sequence over its sequence's blocks with context positions[r] + 1 (a causal chunk row sees
+        the keys up to its own); rows of a padding sequence (seq_len 0) get context 0, hence zeros."""
+        rows = torch.arange(q_nope.shape[0], dtype=meta.query_start.dtype, device=q_nope.device)
+        seq = torch.searchsorted(meta.query_start[1:], rows, right=True).clamp_max(meta.seq_lens.shape[0] - 1)
+        live = meta.seq_lens.index_select(0, seq) > 0
+        lens = torch.where(live, positions + 1, 0).to(torch.int32)
+        return self._decode(q_nope, q_pe, meta.block_tables.index_select(0, seq), lens, None, meta.max_seq_len)
 
     def _mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A step with prefill chunks: those expanded one sequence at a time, decode rows absorbed together."""
