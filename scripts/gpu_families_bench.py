@@ -110,7 +110,8 @@ def main() -> int:
         if left < 15:
             summary[name] = {"status": "skipped (time budget)"}
             continue
-        env = dict(os.environ, OUT=str(out), PYTHONPATH=str(ROOT), **extra)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep carried wheels
+        env = dict(os.environ, OUT=str(out), PYTHONPATH=path, **extra)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
