@@ -235,7 +235,7 @@ def sweep_shape(name: str, lens: list[int]) -> list[dict]:
     regime = tda.decode_regime(len(lens), HKV, sms)
     rows = []
     for h, n, w, s in sweep_configs(regime):
-        auto = tda.decode_splits(len(lens), -(-HKV // h), sms)
+        auto = tda.plan_splits(len(lens), HKV, h, sms)[2]
         for sp in sorted({auto, max(1, auto // 2), min(256, auto * 2)} | ({1} if auto <= 4 else set())):
             tune = {"decode_heads": h, "decode_block_n": n, "decode_warps": w, "decode_stages": s}
             try:

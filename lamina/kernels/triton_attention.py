@@ -164,9 +164,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     """The split count the default decode kernel picks for a batch (shapes only, never context lengths)."""
     d = triton_decode_attention
     sms = d.device_sms(device)
-    heads = min(d.decode_config(torch.bfloat16, 128, num_seqs, num_kv_heads, sms).heads,
-                triton.next_power_of_2(num_kv_heads))
-    return d.decode_splits(num_seqs, triton.cdiv(num_kv_heads, heads), sms)
+    heads = d.decode_config(torch.bfloat16, 128, num_seqs, num_kv_heads, sms).heads
+    return d.plan_splits(num_seqs, num_kv_heads, heads, sms)[2]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,25 +30,31 @@ FILL = 8  # split until about FILL programs per multiprocessor (8: the first ker
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """One launch configuration: KV heads per program, tokens per KV head per loop step, warps, stages."""
+    """One launch configuration: KV heads per program, tokens per KV head per loop step, warps, stages, and
+    whether each step's block ids are loaded a step ahead (K/V then get stages - 1 buffers, not one)."""
 
     heads: int = 1
     block_n: int = 128
     warps: int = 8
     stages: int = 2
+    ids_ahead: bool = False
 
 
-# (dtype class, head-dim class, regime) -> config. Regime from the batch alone (decode_regime). The 16-bit
-# D<=128 rows are the best of scripts/attention_sweep.py on the H200 (benchmarks/results/2026-12-01b): 256 x
-# U[356,1280] 218.4 us with (128 tokens, 8 warps, 2 stages); 64 x 4k 262.7 us with (64, 4, 3); 1 x 32k 41.3
-# us with (128, 4, 3). HEADS > 1 is unmeasured: `scripts/gpu_attention_bench.py --sweep` prints rows to paste.
+# (dtype class, head-dim class, regime) -> config; regime from the batch alone (decode_regime). Measured
+# (scripts/attention_sweep.py, H200, benchmarks/results/2026-12-01b, first kernel = ids_ahead False): 256 x
+# U[356,1280] best 218.4 us with (1, 128, 8, 2); 64 x 4k 262.7 us with (1, 64, 4, 3); 1 x 32k 41.3 us with
+# (1, 128, 4, 3). "direct" keeps the measured best (with ids ahead it takes 164 instead of 80 registers:
+# one CTA per SM, ptxas). "split" and "wide" take ids ahead at (64, 4 warps, 3 stages): two K/V buffers at
+# the occupancy of the measured split best (156 registers, 70 KB: three CTAs per SM), where the 41.3 us
+# config would need 136 KB (one CTA per SM). Unmeasured: `scripts/gpu_attention_bench.py --sweep` prints
+# the rows to paste here.
 DECODE_TABLE: dict[tuple[str, int, str], DecodeConfig] = {
-    ("16", 128, "direct"): DecodeConfig(1, 128, 8, 2),
-    ("16", 128, "split"): DecodeConfig(1, 64, 4, 3),
-    ("16", 128, "wide"): DecodeConfig(1, 128, 4, 3),
-    ("16", 256, "direct"): DecodeConfig(1, 32, 4, 2),  # no spills (ptxas); never run on a GPU
-    ("16", 256, "split"): DecodeConfig(1, 32, 4, 2),
-    ("16", 256, "wide"): DecodeConfig(1, 32, 4, 2),
+    ("16", 128, "direct"): DecodeConfig(1, 128, 8, 2, False),
+    ("16", 128, "split"): DecodeConfig(1, 64, 4, 3, True),
+    ("16", 128, "wide"): DecodeConfig(1, 64, 4, 3, True),
+    ("16", 256, "direct"): DecodeConfig(1, 32, 4, 2, False),  # no spills (ptxas); never run on a GPU
+    ("16", 256, "split"): DecodeConfig(1, 32, 4, 2, False),
+    ("16", 256, "wide"): DecodeConfig(1, 32, 4, 2, False),
 }
 
 
@@ -66,6 +72,15 @@ def decode_splits(num_seqs: int, programs_per_seq: int, sms: int, max_splits: in
     if programs >= FILL * sms:
         return 1
     return min(max_splits, triton.next_power_of_2(-(-FILL * sms // programs)))
+
+
+def plan_splits(num_seqs: int, num_kv_heads: int, heads: int, sms: int) -> tuple[int, int, int]:
+    """(heads per program, programs per sequence, splits) for a config's `heads`. A program of h KV heads
+    reads h times the bytes per token, so up to h * MAX_SPLITS splits keep each split's bytes what one head's
+    MAX_SPLITS-th was (at most 256, the combine pass's limit)."""
+    heads = min(heads, triton.next_power_of_2(num_kv_heads))
+    groups = triton.cdiv(num_kv_heads, heads)
+    return heads, groups, decode_splits(num_seqs, groups, sms, min(256, MAX_SPLITS * heads))
 
 
 def decode_regime(num_seqs: int, num_kv_heads: int, sms: int) -> str:
@@ -91,7 +106,7 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
                           G: tl.constexpr, HEADS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                           PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
-                          DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
+                          DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, IDS_AHEAD: tl.constexpr):
     # KV-head group fastest: the programs launched together read the same pages (one token's heads are
     # adjacent in the cache), and share the sequence's block-table row and query in L2.
     hg = tl.program_id(0)
@@ -121,7 +136,6 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
     c = tl.arange(0, BLOCK_N * HEADS)  # key column c: token c // HEADS of the step, KV head kvh0 + c % HEADS
     ctok = c // HEADS
     chead = kvh0 + c % HEADS
-    head_ok = chead < num_kv_heads
     k_head = chead.to(tl.int64) * stride_kh
     v_head = chead.to(tl.int64) * stride_vh
     dv = tl.arange(0, BLOCK_DV)
@@ -129,11 +143,26 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, BLOCK_DV], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    # IDS_AHEAD: the block ids of a step are loaded one step ahead (a loop-carried value). K/V addresses that
+    # depend on a load in their own iteration cost Triton's pipeliner a stage: K and V stay single-buffered
+    # up to num_stages 4 (ttgir, Triton 3.6); with the ids in hand they get num_stages - 1 buffers.
+    if IDS_AHEAD:
+        nxt = start + ctok
+        blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
+    else:
+        blk_next = tl.zeros([BLOCK_N * HEADS], tl.int32)  # unused
     for kstart in range(start, end, BLOCK_N):
         kpos = kstart + ctok
+        if IDS_AHEAD:
+            blk = blk_next.to(tl.int64)
+            nxt = kpos + BLOCK_N
+            blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
+        else:
+            blk = tl.load(bt_row + kpos // PAGE, mask=kpos < end, other=0).to(tl.int64)
         # Keys past the context are masked on every load: unused cache slots may hold anything, NaN included.
-        kmask = (kpos < end) & head_ok
-        blk = tl.load(bt_row + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+        kmask = kpos < end
+        if HEADS > 1:  # a packed group can run past the last KV head (Hkv not a multiple of HEADS)
+            kmask = kmask & (chead < num_kv_heads)
         slot = (kpos % PAGE).to(tl.int64)
         k_off = blk * stride_kb + slot * stride_kt + k_head
         k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kmask[None, :] & (d < D)[:, None], other=0.0)
@@ -211,9 +240,8 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     sms = device_sms(q.device)
     cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms), **(tune or {}))
-    heads = min(cfg.heads, triton.next_power_of_2(hkv))
-    groups = triton.cdiv(hkv, heads)
-    splits = num_splits or decode_splits(b, groups, sms)
+    heads, groups, splits = plan_splits(b, hkv, cfg.heads, sms)
+    splits = num_splits or splits
     assert splits & (splits - 1) == 0 and splits <= 256, splits
     # tl.dot needs M >= 16 and a reduction of >= 16 key columns; decode is bound by K/V bytes, not MMA work.
     m_pad = max(16, triton.next_power_of_2(heads * g))
@@ -232,7 +260,8 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         G=g, HEADS=heads, M_PAD=m_pad, BLOCK_N=block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page,
-        SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, SOFTCAP=capped, num_warps=cfg.warps,
+        SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, SOFTCAP=capped, IDS_AHEAD=cfg.ids_ahead,
+        num_warps=cfg.warps,
         num_stages=cfg.stages)
     if splits > 1:
         _decode_combine_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1), DV=dv,

@@ -28,16 +28,20 @@ SHAPES = {
     "g2_hkv8_page32": ([31, 32, 33, 130], 16, 8, 64, 32),
     "g2_hkv3_d64": ([50, 5], 6, 3, 64, 16),  # KV heads not a power of two: a packed group runs off the end
 }
-# (heads per program, tokens per step, forced splits)
-CONFIGS = [(1, None, None), (1, None, 1), (2, 16, 4), (4, 16, None), (8, 16, 2), (1, 32, 8), (2, 32, 64)]
+# (heads per program, tokens per step, forced splits, block ids a step ahead; None: the table's)
+CONFIGS = [(1, None, None, None), (1, None, 1, False), (1, None, 1, True), (2, 16, 4, False), (4, 16, None, True),
+           (8, 16, 2, None), (1, 32, 8, False), (2, 32, 64, True)]
 
 
-def _run(q, kc, vc, meta, window=None, softcap=None, heads=1, block_n=None, splits=None, variant="new"):
+def _run(q, kc, vc, meta, window=None, softcap=None, heads=1, block_n=None, splits=None, variant="new",
+         ahead=None):
     from lamina.kernels.triton_attention import paged_attention_triton
 
     tune = {"decode_heads": heads} if heads > 1 else {}
     if block_n:
         tune["decode_block_n"] = block_n
+    if ahead is not None:
+        tune["decode_ids_ahead"] = ahead
     return paged_attention_triton(q, kc, vc, meta, q.shape[-1] ** -0.5, window, softcap=softcap,
                                   out=torch.full_like(q, float("nan")), num_splits=splits, tune=tune,
                                   poison_workspace=True, decode_variant=variant)
@@ -55,17 +59,17 @@ def test_packed_decode_matches_reference(name):
     q, kc, vc, meta = _decode_step(name, DT, seed=len(name))
     oracle = paged_attention_ref(q.float(), kc.float().nan_to_num(0), vc.float().nan_to_num(0), meta,
                                  q.shape[-1] ** -0.5)
-    for heads, block_n, splits in CONFIGS:
-        out = _run(q, kc, vc, meta, heads=heads, block_n=block_n, splits=splits)
-        assert rel_err(out, oracle) < TOL[DT], (heads, block_n, splits)
+    for heads, block_n, splits, ahead in CONFIGS:
+        out = _run(q, kc, vc, meta, heads=heads, block_n=block_n, splits=splits, ahead=ahead)
+        assert rel_err(out, oracle) < TOL[DT], (heads, block_n, splits, ahead)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + DTYPES[1:])
 def test_packed_decode_other_dtypes(dtype):
     q, kc, vc, meta = _decode_step("g4_d128", dtype, seed=3)
     oracle = paged_attention_ref(q.float(), kc.float().nan_to_num(0), vc.float().nan_to_num(0), meta, 128 ** -0.5)
-    for heads, splits in ((1, None), (2, 4)):
-        assert rel_err(_run(q, kc, vc, meta, heads=heads, splits=splits), oracle) < TOL[dtype]
+    for heads, splits, ahead in ((1, None, None), (2, 4, True), (1, 1, False)):
+        assert rel_err(_run(q, kc, vc, meta, heads=heads, splits=splits, ahead=ahead), oracle) < TOL[dtype]
 
 
 @pytest.mark.parametrize("window,softcap", [(20, None), (1, None), (None, 30.0), (40, 5.0)])
@@ -73,8 +77,9 @@ def test_packed_decode_window_and_softcap(window, softcap):
     q, kc, vc, meta = _decode_step("g2_d128_qwen06b", DT, seed=5)
     oracle = paged_attention_ref(q.float(), kc.float().nan_to_num(0), vc.float().nan_to_num(0), meta,
                                  128 ** -0.5, window, softcap)
-    for heads, block_n, splits in ((1, None, None), (2, 16, 4), (1, 16, 8), (2, 32, 1)):
-        out = _run(q, kc, vc, meta, window, softcap, heads=heads, block_n=block_n, splits=splits)
+    for heads, block_n, splits, ahead in ((1, None, None, None), (2, 16, 4, False), (1, 16, 8, True),
+                                          (2, 32, 1, False), (1, 16, 1, True)):
+        out = _run(q, kc, vc, meta, window, softcap, heads=heads, block_n=block_n, splits=splits, ahead=ahead)
         assert rel_err(out, oracle) < TOL[DT], (window, softcap, heads, splits)
 
 
@@ -83,8 +88,8 @@ def test_packed_decode_reads_fp8_caches():
     kc8, vc8 = kc.cpu().to(FP8).to(DEV), vc.cpu().to(FP8).to(DEV)
     oracle = paged_attention_ref(q.float(), kc8.float().nan_to_num(0), vc8.float().nan_to_num(0), meta, 64 ** -0.5)
     for qd in DTYPES:
-        for heads, splits in ((1, None), (4, 2), (8, 1)):
-            assert rel_err(_run(q.to(qd), kc8, vc8, meta, heads=heads, splits=splits), oracle) < TOL[qd]
+        for heads, splits, ahead in ((1, None, None), (4, 2, False), (8, 1, True)):
+            assert rel_err(_run(q.to(qd), kc8, vc8, meta, heads=heads, splits=splits, ahead=ahead), oracle) < TOL[qd]
 
 
 def test_old_and_new_decode_agree():
@@ -122,10 +127,10 @@ def test_packed_decode_padding_and_prefill_rows():
     meta = AttentionMetadata(meta.slot_mapping, meta.query_start, torch.tensor(lens, dtype=torch.int32, device=DEV),
                              meta.block_tables, meta.query_start_cpu, lens, 5, 40)
     oracle = paged_attention_ref(q.float(), kc.float().nan_to_num(0), vc.float().nan_to_num(0), meta, d ** -0.5)
-    for heads, splits in ((1, 1), (2, 4), (4, None)):
+    for heads, splits, ahead in ((1, 1, False), (2, 4, True), (4, None, False)):
         out = torch.full_like(q, float("nan"))
         tda.decode_v2(q, kc, vc, out, meta, (d ** -0.5 * LOG2E, 0.0, 0, False, False), "tf32",
-                      {"heads": heads}, splits, True)
+                      {"heads": heads, "ids_ahead": ahead}, splits, True)
         assert rel_err(out[:1], oracle[:1]) < TOL[DT]
         assert out[1:6].isnan().all(), "prefill rows belong to the prefill kernel"
         assert torch.equal(out[6:], torch.zeros_like(out[6:]))
