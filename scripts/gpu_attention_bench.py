@@ -31,6 +31,7 @@ ARGS.add_argument("--interpret", action="store_true", help="CPU run through Trit
 ARGS.add_argument("--sweep", action="store_true", help="sweep decode configs and print the best per shape")
 ARGS.add_argument("--quick", action="store_true", help="fewer sweep configs")
 ARGS.add_argument("--no-prefill", action="store_true")
+ARGS.add_argument("--shapes", default="", help="comma-separated shape names to run (default: all)")
 ARGS.add_argument("--out", default=os.environ.get("OUT", "."))
 OPTS = ARGS.parse_args()
 if OPTS.interpret:
@@ -59,6 +60,8 @@ SHAPES = [("256x800", [800] * 256), ("64x2048", [2048] * 64), ("1x8192", [8192])
           ("32x4096", [4096] * 32), ("256xU[356,1280]", [random.Random(0).randrange(356, 1281) for _ in range(256)])]
 if not CUDA:
     SHAPES = [("2x40", [40] * 2), ("1x100", [100]), ("3xU[1,70]", [1, 33, 70])]
+if OPTS.shapes:
+    SHAPES = [(n, lens) for n, lens in SHAPES if n in OPTS.shapes.split(",")]
 LINES: list[str] = []
 
 
@@ -180,7 +183,9 @@ def check(name: str, lens: list[int]) -> tuple[list, bool]:
     ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, D ** -0.5)
     outs = {"old": decode_fn(p, "old")(), "new": decode_fn(p, "new")(),
             "new split4": decode_fn(p, "new", splits=4)(),
-            "new heads2": decode_fn(p, "new", tune={"decode_heads": 2})()}
+            "new heads2": decode_fn(p, "new", tune={"decode_heads": 2})(),
+            "new direct ahead": decode_fn(p, "new", tune={"decode_ids_ahead": True}, splits=1)(),
+            "new split8 not-ahead": decode_fn(p, "new", tune={"decode_ids_ahead": False}, splits=8)()}
     if len(set(lens)) == 1:
         outs["sdpa"] = sdpa_flash(*dense_of(q, kc, vc, meta)).reshape(q.shape)
     errs = {k: rel_err(v, ref) for k, v in outs.items()}
@@ -215,15 +220,15 @@ def bench_shape(name: str, lens: list[int], copy_bw: float) -> dict:
     return row
 
 
-def sweep_configs(regime: str) -> list[tuple]:
-    """(heads, block_n, warps, stages): 64-256 key columns per step; splits are swept on top."""
+def sweep_configs() -> list[tuple]:
+    """(heads, block_n, warps, stages, ids_ahead): 64-256 key columns per step; splits are swept on top."""
     pairs = [(1, 64), (1, 128), (2, 32), (2, 64), (4, 16), (4, 32), (8, 16), (8, 32)]
+    ws = [(4, 2), (4, 3), (8, 2), (8, 3)]
     if OPTS.quick:
-        pairs = [(1, 64), (1, 128), (2, 64), (4, 32), (8, 16)]
-    ws = [(4, 2), (4, 3), (8, 2)] if OPTS.quick else [(4, 2), (4, 3), (8, 2), (8, 3)]
+        pairs, ws = [(1, 64), (1, 128), (2, 64), (4, 32), (8, 16)], [(4, 2), (4, 3), (8, 2)]
     if not CUDA:
         pairs, ws = [(1, 16), (2, 16), (8, 16)], [(4, 2)]
-    return [(h, n, w, s) for (h, n), (w, s) in itertools.product(pairs, ws)]
+    return [(h, n, w, s, a) for (h, n), (w, s), a in itertools.product(pairs, ws, (False, True))]
 
 
 def sweep_shape(name: str, lens: list[int]) -> list[dict]:
@@ -234,29 +239,32 @@ def sweep_shape(name: str, lens: list[int]) -> list[dict]:
     sms = tda.device_sms(DEV)
     regime = tda.decode_regime(len(lens), HKV, sms)
     rows = []
-    for h, n, w, s in sweep_configs(regime):
+    for h, n, w, s, a in sweep_configs():
         auto = tda.plan_splits(len(lens), HKV, h, sms)[2]
         for sp in sorted({auto, max(1, auto // 2), min(256, auto * 2)} | ({1} if auto <= 4 else set())):
-            tune = {"decode_heads": h, "decode_block_n": n, "decode_warps": w, "decode_stages": s}
+            tune = {"decode_heads": h, "decode_block_n": n, "decode_warps": w, "decode_stages": s,
+                    "decode_ids_ahead": a}
             try:
                 err = rel_err(decode_fn(probs[0], "new", tune, sp)(), ref)
                 us = time_us([decode_fn(p, "new", tune, sp) for p in probs])
             except Exception as e:  # a tile that does not fit (shared memory, registers): skip it
-                say(f"  {name} h{h} n{n} w{w} s{s} splits{sp}: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
+                say(f"  {name} h{h} n{n} w{w} s{s} a{int(a)} splits{sp}: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:80]}")
                 continue
             rows.append({"shape": name, "regime": regime, "heads": h, "block_n": n, "warps": w, "stages": s,
-                         "splits": sp, "auto_splits": sp == auto, "us": us, "err": err,
+                         "ids_ahead": a, "splits": sp, "auto_splits": sp == auto, "us": us, "err": err,
                          "pct_4p2": 100 * io_bytes(lens) / (us * 1e-6) / PEAK})
     old_us = time_us([decode_fn(p, "old") for p in probs])
     good = sorted((r for r in rows if r["err"] < TOL), key=lambda r: r["us"])
     say(f"sweep {name} ({regime}; old kernel {old_us:.1f} us): best of {len(rows)}")
     for r in good[:5]:
-        say(f"  h{r['heads']} n{r['block_n']:3d} w{r['warps']} s{r['stages']} splits {r['splits']:3d}"
+        say(f"  h{r['heads']} n{r['block_n']:3d} w{r['warps']} s{r['stages']} ahead {int(r['ids_ahead'])} "
+            f"splits {r['splits']:3d}"
             f"{' (auto)' if r['auto_splits'] else '       '} {r['us']:8.1f} us {r['pct_4p2']:5.1f}% err {r['err']:.1e}")
     if good:
         r = good[0]
         say(f"  table row: (\"16\", 128, \"{regime}\"): DecodeConfig({r['heads']}, {r['block_n']}, {r['warps']}, "
-            f"{r['stages']}),  # {name} {r['us']:.1f} us, splits {r['splits']}"
+            f"{r['stages']}, {r['ids_ahead']}),  # {name} {r['us']:.1f} us, splits {r['splits']}"
             f"{'' if r['auto_splits'] else ' (not the auto count: revisit decode_splits)'}")
     return rows + [{"shape": name, "variant": "old", "us": old_us}]
 

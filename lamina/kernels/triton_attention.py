@@ -237,7 +237,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     prec = _dot_prec(q.dtype)
     tune = tune or {}
     tiles = dataclasses.replace(_tiles(q.dtype, max(block_d, block_dv)),
-                                **{k: v for k, v in tune.items() if k != "decode_heads"})
+                                **{k: v for k, v in tune.items() if k not in ("decode_heads", "decode_ids_ahead")})
 
     if have_decode:
         scalars = (scale_log2, cap_log2, window, sliding, capped)
