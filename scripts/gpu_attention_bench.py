@@ -8,11 +8,12 @@ first. One call, a few minutes:
     python scripts/gpu_attention_bench.py --interpret     # CPU smoke run (tiny shapes, Triton interpreter)
 
 Shapes: Qwen3-0.6B heads (Hq 16, Hkv 8, D 128), bf16, 16-token pages scattered over the pool; (B, ctx) in
-(256, 800), (64, 2048), (1, 8192), (1, 32768), (32, 4096), plus 256 x U[356, 1280] (the offline bench's decode
-step, the shape of scripts/attention_sweep.py). Timing: `calls` launches captured in one CUDA graph, median of
-replays, cycling over enough copies of the problem that the working set is 3x the L2 (a 33 MB 1 x 8k cache
-would otherwise be read from L2). Bytes: K/V actually read (the context's keys, every KV head) + q + out; the
-split-K partials are reported apart. Writes summary.txt and attention_bench.json under $OUT (or --out).
+(256, 800), (64, 2048), (1, 8192), (1, 32768), (32, 4096), plus "256xU356-1280" (256 x U[356, 1280]: the
+offline bench's decode step, the shape of scripts/attention_sweep.py). Timing: `calls` launches captured in
+one CUDA graph, median of replays, cycling over enough copies of the problem that the working set is 3x the
+L2 (a 33 MB 1 x 8k cache would otherwise be read from L2). Bytes: K/V actually read (the context's keys,
+every KV head) + q + out; the split-K partials are reported apart. Writes summary.txt and
+attention_bench.json (--sweep: sweep_summary.txt, attention_sweep.json) under $OUT (or --out).
 """
 from __future__ import annotations
 
@@ -57,9 +58,9 @@ HQ, HKV, D, PAGE = 16, 8, 128, 16
 PEAK = 4.2e12  # H200 copy bandwidth the issue measures against
 TOL = 1e-2 if DT == torch.bfloat16 else 3e-3
 SHAPES = [("256x800", [800] * 256), ("64x2048", [2048] * 64), ("1x8192", [8192]), ("1x32768", [32768]),
-          ("32x4096", [4096] * 32), ("256xU[356,1280]", [random.Random(0).randrange(356, 1281) for _ in range(256)])]
+          ("32x4096", [4096] * 32), ("256xU356-1280", [random.Random(0).randrange(356, 1281) for _ in range(256)])]
 if not CUDA:
-    SHAPES = [("2x40", [40] * 2), ("1x100", [100]), ("3xU[1,70]", [1, 33, 70])]
+    SHAPES = [("2x40", [40] * 2), ("1x100", [100]), ("3xU1-70", [1, 33, 70])]
 if OPTS.shapes:
     SHAPES = [(n, lens) for n, lens in SHAPES if n in OPTS.shapes.split(",")]
 LINES: list[str] = []
