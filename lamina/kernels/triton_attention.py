@@ -1,4 +1,4 @@
-"""Triton paged attention: KV store, split-K decode (flash-decoding) and varlen paged prefill.
+"""Triton paged attention: KV store, varlen paged prefill, and the entry point that also launches decode.
 
 Layouts follow lamina.kernels.attention: q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; a sequence's
 queries are the last query_len positions of its seq_lens[b] tokens of context. Every kernel reads the
@@ -6,30 +6,25 @@ per-sequence numbers (query_start, seq_lens, block tables) from device tensors, 
 shapes and host-side counts, so decode launches can be captured in a CUDA graph and replayed with other
 context lengths.
 
-Both attention kernels are GQA-aware: one program owns one KV head and packs all G = Hq/Hkv query heads
-that share it into the rows of its Q tile, so each K/V tile is read once for the whole group.
+The prefill kernel is GQA-aware: one program owns one KV head and packs all G = Hq/Hkv query heads that share
+it into the rows of its Q tile, so each K/V tile is read once for the whole group. Decode (query length 1)
+runs in triton_decode_attention.py (LAMINA_DECODE_ATTN=old: the first kernel, triton_decode_attention_v1.py).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels import triton_decode_attention
 from lamina.kernels.attention_launch import launch_of
+from lamina.kernels.triton_attention_tile import LOG2E, attend_tile, to_cache
+from lamina.kernels.triton_decode_attention_v1 import decode_v1
 
-_LOG2E = 1.4426950408889634
-MAX_SPLITS = 32  # 64 splits of a 32k context were slower than 32 (55.7 vs 52.5 us, H200, GPU_KERNELS.md)
-
-
-@triton.jit
-def to_cache(x, cache_ptr):
-    """x in the cache's element type; an FP8 cache (e4m3, scale 1.0) saturates at +-448 instead of NaN."""
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
-    return x.to(cache_ptr.dtype.element_ty)
+__all__ = ["decode_num_splits", "paged_attention_triton", "store_kv_triton", "to_cache"]
 
 
 @triton.jit
@@ -55,122 +50,6 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_heads,
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + dv[None, :], mask=mv)
     tl.store(vc_ptr + blk * stride_vcb + off * stride_vct + h[:, None] * stride_vch + dv[None, :],
              to_cache(v, vc_ptr), mask=mv)
-
-
-@triton.jit
-def _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, kvh, kpos, kmask, allowed, scale_log2,
-                 cap_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One online-softmax step over BLOCK_N keys gathered through the block table (exp2 domain).
-    SOFTCAP: scale_log2 is scale / cap and cap_log2 is cap * log2(e), so s = cap * tanh(qk * scale / cap)
-    in the exp2 domain."""
-    # Keys past the context are masked on every load: unused cache slots may hold anything, NaN included.
-    blk = tl.load(bt_row_ptr + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-    slot = (kpos % PAGE).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
-    k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kmask[None, :] & (d < D)[:, None], other=0.0)
-    s = tl.dot(qt, k.to(qt.dtype), input_precision=DOT_PREC) * scale_log2
-    if SOFTCAP:
-        # tanh(x) = 2 / (1 + exp(-2x)) - 1: saturates to +-1 without inf/inf for large |x|.
-        s = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * cap_log2
-    if MASK:
-        s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row can see no key yet (sliding window, padded rows): keep exp2 away from (-inf) - (-inf).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    dv = tl.arange(0, BLOCK_DV)
-    v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
-    v = tl.load(vc_ptr + v_off[:, None] + dv[None, :], mask=kmask[:, None] & (dv < DV)[None, :], other=0.0)
-    v = v.to(qt.dtype)  # an FP8 cache is widened in registers (a no-op for a cache in q's dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
-
-
-# Per-batch integers are not specialized on (value 1, divisibility by 16): a new batch size or window must
-# not trigger a recompile, least of all while a CUDA graph is being captured.
-@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, bt_ptr, seq_lens_ptr, qs_ptr,
-                   scale_log2, cap_log2, window, num_splits, num_q_heads,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
-                   SLIDING: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SOFTCAP: tl.constexpr = False):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(qs_ptr + b)
-    if tl.load(qs_ptr + b + 1) - q_start != 1:  # a prefill row of a mixed batch: the prefill kernel owns it
-        return
-    seq_len = tl.load(seq_lens_ptr + b)
-    ctx_start = 0
-    if SLIDING:
-        ctx_start = tl.maximum(seq_len - window, 0)
-    # The split length is computed here from the device seq_len, so one grid serves any context length.
-    per_split = (seq_len - ctx_start + num_splits - 1) // num_splits
-    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = ctx_start + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-
-    g = tl.arange(0, G_PAD)
-    row_ok = g < G
-    qh = kvh * G + g
-    d = tl.arange(0, BLOCK_D)
-    q_off = q_start.to(tl.int64) * stride_qt + qh * stride_qh
-    qt = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
-
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, BLOCK_DV], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for kstart in range(start, end, BLOCK_N):
-        kpos = kstart + n
-        kmask = kpos < end
-        m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask,
-                                     kmask[None, :], scale_log2, cap_log2,
-                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, True, SOFTCAP)
-    dv = tl.arange(0, BLOCK_DV)
-    if DIRECT:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_off = q_start.to(tl.int64) * stride_ot + qh * stride_oh
-        tl.store(o_ptr + o_off[:, None] + dv[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (dv < DV)[None, :])
-    else:
-        # Empty splits still write (m=-inf, l=0, acc=0) so the reduce never reads stale workspace.
-        p_idx = (b.to(tl.int64) * num_q_heads + qh) * num_splits + split
-        tl.store(pm_ptr + p_idx, m_i, mask=row_ok)
-        tl.store(pl_ptr + p_idx, l_i, mask=row_ok)
-        tl.store(po_ptr + p_idx[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv < DV)[None, :])
-
-
-@triton.jit
-def _decode_reduce_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr, qs_ptr, num_q_heads, stride_ot, stride_oh,
-                          DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    b = tl.program_id(0)
-    qh = tl.program_id(1)
-    q_start = tl.load(qs_ptr + b)
-    if tl.load(qs_ptr + b + 1) - q_start != 1:
-        return
-    sp = tl.arange(0, NUM_SPLITS)
-    base = (b.to(tl.int64) * num_q_heads + qh) * NUM_SPLITS
-    m = tl.load(pm_ptr + base + sp)
-    l = tl.load(pl_ptr + base + sp)
-    m_max = tl.max(m, 0)
-    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    denom = tl.sum(w * l, 0)
-    dv = tl.arange(0, BLOCK_DV)
-    acc = tl.load(po_ptr + (base + sp)[:, None] * DV + dv[None, :], mask=(dv < DV)[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(o_ptr + q_start.to(tl.int64) * stride_ot + qh * stride_oh + dv, out.to(o_ptr.dtype.element_ty),
-             mask=dv < DV)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
@@ -241,7 +120,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
         allowed = kmask[None, :]
         if SLIDING:
             allowed = kpos[None, :] > q_pos[:, None] - window
-        m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
+        m_i, l_i, acc = attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
                                      scale_log2, cap_log2, stride_kb, stride_kt, stride_kh, stride_vb,
                                      stride_vt, stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, SLIDING,
                                      SOFTCAP)
@@ -251,7 +130,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, 
         allowed = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
         if SLIDING:
             allowed = allowed & (kpos[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = _attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
+        m_i, l_i, acc = attend_tile(qt, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, kpos, kmask, allowed,
                                      scale_log2, cap_log2, stride_kb, stride_kt, stride_kh, stride_vb,
                                      stride_vt, stride_vh, D, BLOCK_D, DV, BLOCK_DV, PAGE, DOT_PREC, True,
                                      SOFTCAP)
@@ -281,21 +160,12 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         BLOCK_DV=triton.next_power_of_2(dv), PAGE=k_cache.shape[1], num_warps=4 if h * d >= 2048 else 2)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits of the context per (sequence, KV head): about eight programs per multiprocessor.
-
-    Depends only on the batch shape, never on context lengths, so a captured decode graph stays valid
-    when the same batch size is replayed with longer contexts.
-    """
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
-    want = -(-8 * sms // max(num_seqs * num_kv_heads, 1))
-    return min(MAX_SPLITS, triton.next_power_of_2(want))
+    """The split count the default decode kernel picks for a batch (shapes only, never context lengths)."""
+    d = triton_decode_attention
+    sms = d.device_sms(device)
+    heads = d.decode_config(torch.bfloat16, 128, num_seqs, num_kv_heads, sms).heads
+    return d.plan_splits(num_seqs, num_kv_heads, heads, sms)[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,9 +199,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
                            out: torch.Tensor | None = None,
                            num_splits: int | None = None, tune: dict[str, int] | None = None,
-                           poison_workspace: bool = False) -> torch.Tensor:
+                           poison_workspace: bool = False, decode_variant: str | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, Dv]. The keyword-only arguments exist for tests and tuning sweeps
-    (`tune` overrides fields of Tiles).
+    (`tune` overrides fields of Tiles; for the new decode kernel its `decode_*` keys override DecodeConfig
+    fields: decode_heads, decode_block_n, decode_warps, decode_stages). decode_variant: "old" or "new"
+    (default: the LAMINA_DECODE_ATTN environment variable, else "new").
 
     Which kernels run comes from `launch_of(meta)`: the host fields of an eager step, or the fixed plan a
     CUDA-graph runner's metadata carries (then the grids depend only on q's shape and meta.num_seqs, and
@@ -353,9 +225,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     have_decode, have_prefill = launch.decode, launch.prefill
     sliding = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if sliding else 0
-    scale_log2 = float(scale) * _LOG2E
+    scale_log2 = float(scale) * LOG2E
     capped = bool(softcap)
-    cap_log2 = float(softcap) * _LOG2E if capped else 0.0
+    cap_log2 = float(softcap) * LOG2E if capped else 0.0
     if capped:
         scale_log2 = float(scale) / float(softcap)  # the tile applies tanh, then cap * log2(e)
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
@@ -363,28 +235,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     prec = _dot_prec(q.dtype)
-    tiles = dataclasses.replace(_tiles(q.dtype, max(block_d, block_dv)), **(tune or {}))
+    tune = tune or {}
+    tiles = dataclasses.replace(_tiles(q.dtype, max(block_d, block_dv)),
+                                **{k: v for k, v in tune.items() if k not in ("decode_heads", "decode_ids_ahead")})
 
     if have_decode:
-        splits = num_splits or decode_num_splits(b, hkv, q.device)
-        g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs M >= 16; decode is bound by K/V bytes
-        if splits > 1:
-            alloc = functools.partial(torch.full, fill_value=float("nan")) if poison_workspace else torch.empty
-            po = alloc((b, hq, splits, dv), dtype=torch.float32, device=q.device)
-            pm = alloc((b, hq, splits), dtype=torch.float32, device=q.device)
-            pl = alloc((b, hq, splits), dtype=torch.float32, device=q.device)
+        scalars = (scale_log2, cap_log2, window, sliding, capped)
+        variant = decode_variant or os.environ.get("LAMINA_DECODE_ATTN", "new")
+        if variant not in ("old", "new"):
+            raise ValueError(f"decode variant must be 'old' or 'new', got {variant!r}")
+        if variant == "old":
+            decode_v1(q, k_cache, v_cache, out, meta, scalars, prec, tiles.decode_block_n, tiles.decode_warps,
+                      tiles.decode_stages, num_splits, poison_workspace)
         else:
-            po = pm = pl = out  # unused when DIRECT
-        _decode_kernel[(b, hkv, splits)](
-            q, k_cache, v_cache, out, po, pm, pl, bt, seq_lens, qs, scale_log2, cap_log2, window, splits, hq,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0), *cache_strides,
-            G=g, G_PAD=g_pad, BLOCK_N=tiles.decode_block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
-            PAGE=page, SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, SOFTCAP=capped,
-            num_warps=tiles.decode_warps,
-            num_stages=tiles.decode_stages)
-        if splits > 1:
-            _decode_reduce_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1),
-                                           DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, num_warps=4)
+            dtune = {k[len("decode_"):]: v for k, v in tune.items() if k.startswith("decode_")}
+            triton_decode_attention.decode_v2(q, k_cache, v_cache, out, meta, scalars, prec, dtune, num_splits,
+                                              poison_workspace)
     if have_prefill:
         g_pad = triton.next_power_of_2(g)
         block_m = max(tiles.prefill_block_m, g_pad)

@@ -1,0 +1,268 @@
+"""Paged decode attention (query length 1 per sequence), second kernel: KV-head-packed tiles, a grid whose
+fastest axis walks the KV heads of one sequence, split-K only when the batch does not fill the GPU, and a
+combine pass that handles any power-of-two split count. GPU_KERNELS.md ("Decode attention, second kernel")
+says why each choice was made and what is still to be measured.
+
+Layouts as in lamina.kernels.attention: q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]. A program owns
+HEADS consecutive KV heads of one sequence (one split of its context) and packs their HEADS * G query heads
+into the rows of its Q tile; the key columns of a tile are (token, KV head) pairs, token-major, so one
+token's HEADS heads are one contiguous HEADS * D run of the cache. A score is kept only where the row's KV
+head is the column's (a block-diagonal mask); with HEADS = 1 that mask is gone and the kernel is the first
+one's (triton_decode_attention_v1.py) with another grid order.
+
+Everything per sequence (query_start, seq_lens, block tables) is read on the device and the grid and the split
+count depend only on shapes, so a captured CUDA graph replays correctly with any context lengths.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from lamina.kernels.triton_decode_attention_v1 import device_sms
+
+MAX_SPLITS = 32  # the combine pass takes up to 256; 64 splits of a 32k context were slower than 32 (run 2)
+FILL = 8  # split until about FILL programs per multiprocessor (8: the first kernel's measured choice)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """One launch configuration: KV heads per program, tokens per KV head per loop step, warps, stages, and
+    whether each step's block ids are loaded a step ahead (K/V then get stages - 1 buffers, not one)."""
+
+    heads: int = 1
+    block_n: int = 128
+    warps: int = 8
+    stages: int = 2
+    ids_ahead: bool = False
+
+
+# (dtype class, head-dim class, regime) -> config; regime from the batch alone (decode_regime). Measured
+# (scripts/attention_sweep.py, H200, benchmarks/results/2026-12-01b, first kernel = ids_ahead False): 256 x
+# U[356,1280] best 218.4 us with (1, 128, 8, 2); 64 x 4k 262.7 us with (1, 64, 4, 3); 1 x 32k 41.3 us with
+# (1, 128, 4, 3). "direct" keeps the measured best (with ids ahead it takes 164 instead of 80 registers:
+# one CTA per SM, ptxas). "split" and "wide" take ids ahead at (64, 4 warps, 3 stages): two K/V buffers at
+# the occupancy of the measured split best (156 registers, 70 KB: three CTAs per SM), where the 41.3 us
+# config would need 136 KB (one CTA per SM). Unmeasured: `scripts/gpu_attention_bench.py --sweep` prints
+# the rows to paste here.
+DECODE_TABLE: dict[tuple[str, int, str], DecodeConfig] = {
+    ("16", 128, "direct"): DecodeConfig(1, 128, 8, 2, False),
+    ("16", 128, "split"): DecodeConfig(1, 64, 4, 3, True),
+    ("16", 128, "wide"): DecodeConfig(1, 64, 4, 3, True),
+    ("16", 256, "direct"): DecodeConfig(1, 32, 4, 2, False),  # no spills (ptxas); never run on a GPU
+    ("16", 256, "split"): DecodeConfig(1, 32, 4, 2, False),
+    ("16", 256, "wide"): DecodeConfig(1, 32, 4, 2, False),
+}
+
+
+def _fp32_config(d_max: int) -> DecodeConfig:
+    # exact fp32 dots run on FMA units and keep both operands in registers: small tiles (no spills)
+    return DecodeConfig(1, 32, 4, 2) if d_max <= 64 else DecodeConfig(1, 32, 8, 2) if d_max <= 128 \
+        else DecodeConfig(1, 16, 8, 2)
+
+
+def decode_splits(num_seqs: int, programs_per_seq: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits of each context: none when the batch alone gives FILL programs per multiprocessor (no
+    partials, no combine pass), else a power of two that gets there, at most max_splits. Shapes only: a
+    graph captured for a batch size stays valid for every context length."""
+    programs = max(num_seqs * programs_per_seq, 1)
+    if programs >= FILL * sms:
+        return 1
+    return min(max_splits, triton.next_power_of_2(-(-FILL * sms // programs)))
+
+
+def plan_splits(num_seqs: int, num_kv_heads: int, heads: int, sms: int) -> tuple[int, int, int]:
+    """(heads per program, programs per sequence, splits) for a config's `heads`. A program of h KV heads
+    reads h times the bytes per token, so up to h * MAX_SPLITS splits keep each split's bytes what one head's
+    MAX_SPLITS-th was (at most 256, the combine pass's limit)."""
+    heads = min(heads, triton.next_power_of_2(num_kv_heads))
+    groups = triton.cdiv(num_kv_heads, heads)
+    return heads, groups, decode_splits(num_seqs, groups, sms, min(256, MAX_SPLITS * heads))
+
+
+def decode_regime(num_seqs: int, num_kv_heads: int, sms: int) -> str:
+    """'direct' (no split at one KV head per program), 'split' (2-8 splits) or 'wide' (16 or more)."""
+    s = decode_splits(num_seqs, num_kv_heads, sms)
+    return "direct" if s == 1 else "split" if s < 16 else "wide"
+
+
+def decode_config(dtype: torch.dtype, d_max: int, num_seqs: int, num_kv_heads: int, sms: int) -> DecodeConfig:
+    """The table's configuration for a batch (d_max: the larger padded head dim of K and V)."""
+    if dtype == torch.float32:
+        return _fp32_config(d_max)
+    return DECODE_TABLE[("16", 128 if d_max <= 128 else 256, decode_regime(num_seqs, num_kv_heads, sms))]
+
+
+# Per-batch integers are not specialized on (value 1, divisibility by 16): a new batch size or window must
+# not trigger a recompile, least of all while a CUDA graph is being captured.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
+def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, bt_ptr, seq_lens_ptr, qs_ptr,
+                          scale_log2, cap_log2, window, num_splits, num_q_heads, num_kv_heads,
+                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                          G: tl.constexpr, HEADS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                          PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
+                          DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, IDS_AHEAD: tl.constexpr):
+    # KV-head group fastest: the programs launched together read the same pages (one token's heads are
+    # adjacent in the cache), and share the sequence's block-table row and query in L2.
+    hg = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(qs_ptr + b)
+    if tl.load(qs_ptr + b + 1) - q_start != 1:  # a prefill row of a mixed batch: the prefill kernel owns it
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_start = 0
+    if SLIDING:
+        ctx_start = tl.maximum(seq_len - window, 0)
+    # The split length comes from the device seq_len, so one grid serves any context length.
+    per_split = (seq_len - ctx_start + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = ctx_start + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    kvh0 = hg * HEADS
+    r = tl.arange(0, M_PAD)  # Q row r: query head kvh0 * G + r, of the group's KV head r // G
+    qh = kvh0 * G + r
+    row_ok = (r < HEADS * G) & (qh < num_q_heads)
+    d = tl.arange(0, BLOCK_D)
+    q_off = q_start.to(tl.int64) * stride_qt + qh * stride_qh
+    qt = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+
+    c = tl.arange(0, BLOCK_N * HEADS)  # key column c: token c // HEADS of the step, KV head kvh0 + c % HEADS
+    ctok = c // HEADS
+    chead = kvh0 + c % HEADS
+    k_head = chead.to(tl.int64) * stride_kh
+    v_head = chead.to(tl.int64) * stride_vh
+    dv = tl.arange(0, BLOCK_DV)
+    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([M_PAD], tl.float32)
+    acc = tl.zeros([M_PAD, BLOCK_DV], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    # IDS_AHEAD: the block ids of a step are loaded one step ahead (a loop-carried value). K/V addresses that
+    # depend on a load in their own iteration cost Triton's pipeliner a stage: K and V stay single-buffered
+    # up to num_stages 4 (ttgir, Triton 3.6); with the ids in hand they get num_stages - 1 buffers.
+    if IDS_AHEAD:
+        nxt = start + ctok
+        blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
+    else:
+        blk_next = tl.zeros([BLOCK_N * HEADS], tl.int32)  # unused
+    for kstart in range(start, end, BLOCK_N):
+        kpos = kstart + ctok
+        if IDS_AHEAD:
+            blk = blk_next.to(tl.int64)
+            nxt = kpos + BLOCK_N
+            blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
+        else:
+            blk = tl.load(bt_row + kpos // PAGE, mask=kpos < end, other=0).to(tl.int64)
+        # Keys past the context are masked on every load: unused cache slots may hold anything, NaN included.
+        kmask = kpos < end
+        if HEADS > 1:  # a packed group can run past the last KV head (Hkv not a multiple of HEADS)
+            kmask = kmask & (chead < num_kv_heads)
+        slot = (kpos % PAGE).to(tl.int64)
+        k_off = blk * stride_kb + slot * stride_kt + k_head
+        k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kmask[None, :] & (d < D)[:, None], other=0.0)
+        s = tl.dot(qt, k.to(qt.dtype), input_precision=DOT_PREC) * scale_log2
+        if SOFTCAP:
+            # tanh(x) = 2 / (1 + exp(-2x)) - 1: saturates to +-1 without inf/inf for large |x|.
+            s = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * cap_log2
+        allowed = kmask[None, :]
+        if HEADS > 1:  # a row sees only its own KV head's columns
+            allowed = allowed & ((r // G)[:, None] == (c % HEADS)[None, :])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row can see no key yet (padding rows, sliding window): keep exp2 away from (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = blk * stride_vb + slot * stride_vt + v_head
+        v = tl.load(vc_ptr + v_off[:, None] + dv[None, :], mask=kmask[:, None] & (dv < DV)[None, :], other=0.0)
+        v = v.to(qt.dtype)  # an FP8 cache is widened in registers (a no-op for a cache in q's dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    if DIRECT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = q_start.to(tl.int64) * stride_ot + qh * stride_oh
+        tl.store(o_ptr + o_off[:, None] + dv[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv < DV)[None, :])
+    else:
+        # Empty splits still write (m=-inf, l=0, acc=0) so the combine never reads stale workspace.
+        p_idx = (b.to(tl.int64) * num_q_heads + qh) * num_splits + split
+        tl.store(pm_ptr + p_idx, m_i, mask=row_ok)
+        tl.store(pl_ptr + p_idx, l_i, mask=row_ok)
+        tl.store(po_ptr + p_idx[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv < DV)[None, :])
+
+
+@triton.jit
+def _decode_combine_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr, qs_ptr, num_q_heads, stride_ot, stride_oh,
+                           DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           BLOCK_S: tl.constexpr):
+    """out[b, qh] from the splits' (max, sum, unnormalised acc); the [split, DV] partials are read BLOCK_S
+    splits at a time so many splits do not spill."""
+    b = tl.program_id(0)
+    qh = tl.program_id(1)
+    q_start = tl.load(qs_ptr + b)
+    if tl.load(qs_ptr + b + 1) - q_start != 1:
+        return
+    base = (b.to(tl.int64) * num_q_heads + qh) * NUM_SPLITS
+    sp = tl.arange(0, NUM_SPLITS)
+    m = tl.load(pm_ptr + base + sp)
+    m_max = tl.max(m, 0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = tl.sum(tl.math.exp2(m - m_ref) * tl.load(pl_ptr + base + sp), 0)
+    dv = tl.arange(0, BLOCK_DV)
+    cs = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in tl.static_range(0, NUM_SPLITS, BLOCK_S):
+        w = tl.math.exp2(tl.load(pm_ptr + base + s0 + cs) - m_ref)
+        part = tl.load(po_ptr + (base + s0 + cs)[:, None] * DV + dv[None, :], mask=(dv < DV)[None, :], other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+    out = acc / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(o_ptr + q_start.to(tl.int64) * stride_ot + qh * stride_oh + dv, out.to(o_ptr.dtype.element_ty),
+             mask=dv < DV)
+
+
+def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, bool, bool], prec: str,
+              tune: dict | None = None, num_splits: int | None = None, poison_workspace: bool = False) -> None:
+    """Launches the packed decode kernel (and, when split, the combine pass) for the query-length-1 rows of
+    meta's batch. scalars: (scale_log2, cap_log2, window, sliding, capped) as paged_attention_triton derives
+    them; tune: DecodeConfig fields overriding the table's (sweeps and tests); num_splits: forced split count
+    (a power of two up to 256)."""
+    scale_log2, cap_log2, window, sliding, capped = scalars
+    t, hq, d = q.shape
+    hkv, dv, page = k_cache.shape[2], v_cache.shape[-1], k_cache.shape[1]
+    g, b = hq // hkv, meta.num_seqs
+    block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
+    sms = device_sms(q.device)
+    cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms), **(tune or {}))
+    heads, groups, splits = plan_splits(b, hkv, cfg.heads, sms)
+    splits = num_splits or splits
+    assert splits & (splits - 1) == 0 and splits <= 256, splits
+    # tl.dot needs M >= 16 and a reduction of >= 16 key columns; decode is bound by K/V bytes, not MMA work.
+    m_pad = max(16, triton.next_power_of_2(heads * g))
+    block_n = max(cfg.block_n, triton.cdiv(16, heads))
+    bt, qs = meta.block_tables, meta.query_start
+    if splits > 1:
+        alloc = functools.partial(torch.full, fill_value=float("nan")) if poison_workspace else torch.empty
+        po = alloc((b, hq, splits, dv), dtype=torch.float32, device=q.device)
+        pm = alloc((b, hq, splits), dtype=torch.float32, device=q.device)
+        pl = alloc((b, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        po = pm = pl = out  # unused when DIRECT
+    _decode_packed_kernel[(groups, splits, b)](
+        q, k_cache, v_cache, out, po, pm, pl, bt, meta.seq_lens, qs, scale_log2, cap_log2, window, splits, hq, hkv,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), bt.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        G=g, HEADS=heads, M_PAD=m_pad, BLOCK_N=block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page,
+        SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, SOFTCAP=capped, IDS_AHEAD=cfg.ids_ahead,
+        num_warps=cfg.warps,
+        num_stages=cfg.stages)
+    if splits > 1:
+        _decode_combine_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1), DV=dv,
+                                        BLOCK_DV=block_dv, NUM_SPLITS=splits, BLOCK_S=min(splits, 32), num_warps=4)
