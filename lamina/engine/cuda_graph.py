@@ -16,7 +16,10 @@ Hybrid models (gated delta net + attention layers, a state pool): the same keys.
 recurrent decode kernel, a mixed graph the chunked kernels over all its rows (decode rows as one-token
 chunks), whose chunk table and conv1d token blocks are built on the device from the padded query starts;
 padded sequences use the state pool's padding slot (graph_inputs.py). State snapshots for prefix caching are
-copies enqueued after the replay, as after an eager step. CUDA_GRAPHS.md has the details.
+copies enqueued after the replay, as after an eager step. Their verify steps (speculative decoding: the state
+after every draft position goes to candidate slots) replay verify graphs (graph_keys.verify_keys), the only
+graphs that write candidate states; a verify step no verify graph fits (drafts next to a prefill chunk) runs
+eagerly. CUDA_GRAPHS.md has the details.
 """
 from __future__ import annotations
 
@@ -30,9 +33,11 @@ from lamina.engine.graph_inputs import GraphInputs
 from lamina.engine.graph_keys import (
     GraphKey,
     choose_key,
+    choose_verify_key,
     decode_batch_sizes,
     graph_keys,
     mixed_token_sizes,
+    verify_keys,
 )
 from lamina.kernels.dispatch import triton_available
 
@@ -64,13 +69,19 @@ def mixed_graphs_enabled(hybrid: bool = False) -> bool:
     return not hybrid or os.environ.get("LAMINA_HYBRID_MIXED_GRAPHS", "1") != "0"
 
 
+def verify_graphs_enabled() -> bool:
+    """LAMINA_HYBRID_VERIFY_GRAPHS=0 runs hybrid verify steps eagerly (A/B runs, or a way out)."""
+    return os.environ.get("LAMINA_HYBRID_VERIFY_GRAPHS", "1") != "0"
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, padding_slot: int | None = None, max_num_batched_tokens: int | None = None,
-                 mixed: bool | None = None, tokens_per_octave: int = 8) -> None:
+                 mixed: bool | None = None, tokens_per_octave: int = 8, verify_width: int = 0) -> None:
         """max_num_batched_tokens: the largest step; None or mixed=False capture decode graphs only.
         padding_slot: the state pool's padding slot (hybrid models; None without a state pool).
-        mixed=None reads mixed_graphs_enabled()."""
+        mixed=None reads mixed_graphs_enabled().
+        verify_width: K + 1 with speculative decoding on a hybrid model (verify graphs), else 0."""
         self.model, self.device = model, device
         self.padding_slot = padding_slot
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -81,11 +92,15 @@ class CudaGraphRunner:
         self.mixed_sizes = mixed_token_sizes(min(max_num_batched_tokens, MAX_GRAPH_TOKENS), tokens_per_octave) \
             if on else []
         self.keys = graph_keys(self.decode_sizes, self.mixed_sizes, max_num_seqs)
+        # Dense verify steps replay mixed graphs (attention needs nothing per draft position); hybrid ones need
+        # their own, which write the candidate states.
+        self.verify_width = verify_width if padding_slot is not None and verify_width >= 2 else 0
+        self.keys += verify_keys(self.decode_sizes, self.verify_width)
         max_blocks = (max_model_len + block_size - 1) // block_size
         # Sliding layers bound to the window group's pool (cache/kv_groups.py) read their own tables and slots.
         windowed = any(getattr(getattr(m, "_kv", None), "windowed", False) for m in model.modules())
         self.inputs = GraphInputs(max(k.tokens for k in self.keys), max(k.seqs for k in self.keys), max_blocks,
-                                  device, padding_slot, windowed)
+                                  device, padding_slot, windowed, self.verify_width)
         hidden_size = model.config.hidden_size
         # the compute dtype: the first 16/32-bit float parameter (packed or FP8 weights store other types)
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() >= 2)
@@ -108,7 +123,10 @@ class CudaGraphRunner:
         return self.hidden[:tp]
 
     def pick(self, batch) -> GraphKey | None:
-        meta = batch.ctx.attn
+        meta, state = batch.ctx.attn, batch.ctx.state
+        if state is not None and state.candidate_slots_cpu is not None:  # a hybrid verify step
+            key = choose_verify_key(meta.num_seqs, meta.max_query_len, self.decode_sizes, self.verify_width)
+            return key if key is not None and self.inputs.fits(batch, key) else None
         key = choose_key(batch.input_ids.shape[0], meta.num_seqs, meta.is_decode_only, self.decode_sizes,
                          self.mixed_sizes, self.max_num_seqs, meta.max_seq_len)
         return key if key is not None and self.inputs.fits(batch, key) else None
@@ -135,6 +153,17 @@ class CudaGraphRunner:
             if key.decode:
                 self._capture(key, stream)
                 continue
+            if key.verify:
+                if not self.verify_width:
+                    continue
+                try:
+                    self._capture(key, stream)
+                except Exception:  # keep serving; hybrid verify steps then run eagerly
+                    log.exception("capturing the verify graph of %d rows failed: verify steps run eagerly", key.tokens)
+                    torch.cuda.synchronize(self.device)
+                    self.graphs = {k: g for k, g in self.graphs.items() if not k.verify}
+                    self.verify_width, self._pool = 0, None
+                continue
             if not self.mixed_sizes:
                 continue
             try:
@@ -147,15 +176,16 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - before
-        log.warning("captured %d CUDA graphs (decode batch sizes %s; mixed token counts %s) in %.2f s, %.2f GiB",
-                    len(self.graphs), self.decode_sizes, self.mixed_sizes or "none", self.capture_s,
-                    self.capture_bytes / 2**30)
+        log.warning("captured %d CUDA graphs (decode batch sizes %s; mixed token counts %s; verify width %s) in "
+                    "%.2f s, %.2f GiB", len(self.graphs), self.decode_sizes, self.mixed_sizes or "none",
+                    self.verify_width or "none", self.capture_s, self.capture_bytes / 2**30)
 
     def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
         self.inputs.reset(key)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2 if key.decode else 1):  # warm-up: Triton compiles, cuBLAS picks, allocator settles
+            # warm-up: Triton compiles, cuBLAS picks, allocator settles
+            for _ in range(2 if key.decode or key.verify else 1):
                 self.body(key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

@@ -5,13 +5,13 @@ Text (detokenization, stop strings, logprob token strings) is made on the output
 string.
 
 Every exit path of a sequence (finish, abort, error) goes through Scheduler.finish, which returns its
-blocks; preemption returns them too and the sequence is recomputed later.
+blocks; preemption returns them too and the sequence is recomputed later. Reading a step back (tokens into
+sequences, verify steps' accepted drafts, request outputs) is engine/readback.py.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 
 from lamina.cache.block_allocator import BlockAllocator
@@ -21,16 +21,16 @@ from lamina.config import EngineConfig
 from lamina.engine.build import build_graphs, build_pools, build_window_group, load_model_and_tokenizer
 from lamina.engine.detokenizer import DeferredTokenText, initial_state
 from lamina.engine.inflight import PENDING, InFlight
-from lamina.engine.logprobs import prompt_logprobs_for_chunk, sample_logprobs
+from lamina.engine.logprobs import prompt_logprobs_for_chunk
 from lamina.engine.memory import resolve_device, resolve_dtype
+from lamina.engine.readback import StepReadback
 from lamina.engine.request import RequestGroup, Sequence
 from lamina.engine.runner import ModelRunner
 from lamina.engine.sampler import Sampler
 from lamina.engine.scheduler import ScheduledSeq, Scheduler
 from lamina.engine.startup import StartupTimer
-from lamina.engine.stop import check_token_stop
 from lamina.engine.warmup import warm_up
-from lamina.outputs import CompletionOutput, RequestOutput
+from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
 from lamina.spec.accept import accepted_on_device
 from lamina.spec.build import build_spec_decoder, load_spec_weights
@@ -64,7 +64,7 @@ class EngineStats:
         return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
-class LLMEngine:
+class LLMEngine(StepReadback):
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         timer = StartupTimer()
@@ -396,81 +396,3 @@ class LLMEngine:
         accepted = accepted_on_device(draws.token_ids, sampled) if verify else None
         return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None,
                         accepted)
-
-    def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup]) -> None:
-        for item in flight.scheduled:
-            seq = item.seq
-            if not seq.finished:
-                touched[seq.request_id] = self.groups[seq.request_id]
-        for item in flight.scheduled:
-            if not item.num_sampled and not item.seq.finished:  # a prompt chunk: its tokens are all known
-                self.scheduler.register_computed(item.seq, item.seq.num_tokens)
-        if flight.draws is None:
-            return
-        result = flight.draws.finish_copy(flight.copy)
-        accepted = flight.num_accepted.tolist() if flight.num_accepted is not None else None
-        now = time.monotonic()
-        row = 0
-        for i, (seq, idx, n) in enumerate(flight.sampled):
-            row0, row = row, row + n
-            if seq.finished:  # aborted, or stopped on an earlier token while this one was in flight
-                continue
-            tokens = result.token_ids[row0:row]
-            if n > 1:  # the first accepted[i] drafts stood (spec/accept.py); the row after them is the model's
-                a = accepted[i]
-                seq.draft_token_ids = []
-                tokens = tokens[:a + 1]
-                seq.num_computed_tokens -= n - 1 - a  # the rejected drafts' KV is overwritten later
-                self.scheduler.trim(seq)  # blocks holding only rejected positions go back to the pool
-                seq.token_ids[idx + 1:idx + 1] = [PENDING] * a
-                if seq.candidate_slots:  # recurrent state: commit the one after the last accepted token
-                    if a < n - 1:
-                        self.state_pool.copy_slot(seq.candidate_slots[a], seq.state_slot)
-                    self.scheduler.free_candidates(seq)
-                if self.spec is not None:
-                    self.spec.record(seq, n - 1, a)
-                self._accept(seq, idx, tokens, result, row0, now)
-                if not seq.finished:  # a prefix-cache snapshot only at an accepted position
-                    self.scheduler.snapshot(seq)
-                continue
-            self._accept(seq, idx, tokens, result, row0, now)
-
-    def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:
-        """Puts a sequence's new tokens at token_ids[idx:], one at a time with the token stop checks."""
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        for j, token in enumerate(tokens):
-            pos = idx + j
-            seq.token_ids[pos] = token
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
-            if seq.logprobs is not None:
-                seq.logprobs.append(sample_logprobs(result, row0 + j, token, self.detokenizer))
-                seq.cumulative_logprob += result.chosen_logprobs[row0 + j]
-            check_token_stop(seq, token, pos + 1 - seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
-            if seq.finish_reason is not None:
-                del seq.token_ids[pos + 1:]  # drop tokens sampled after the stop
-                self.scheduler.finish(seq)
-                return
-        self.scheduler.register_computed(seq, idx + len(tokens))
-
-    def _output(self, group: RequestGroup) -> RequestOutput:
-        outs = []
-        for s in group.seqs:
-            ids = s.output_token_ids
-            if ids and ids[-1] == PENDING:  # the token of the step still in flight is not known yet
-                ids.pop()
-            # Copies: a streaming consumer on another thread must not see these lists grow.
-            outs.append(CompletionOutput(s.index, "", ids, s.cumulative_logprob if s.logprobs is not None
-                                         else None, None if s.logprobs is None else list(s.logprobs),
-                                         s.finish_reason, s.stop_reason))
-        first = group.seqs[0]
-        metrics = {"arrival_time": group.arrival_time}
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
-        scheduled = [s.first_scheduled_time for s in group.seqs if s.first_scheduled_time is not None]
-        if scheduled:
-            metrics["first_scheduled_time"] = min(scheduled)
-        metrics["num_preemptions"] = sum(s.num_preemptions for s in group.seqs)
-        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
-                             first.prompt_logprobs, first.num_cached_tokens, group.error, metrics)

@@ -7,6 +7,13 @@ batch has min(tokens, max_num_seqs + 1) sequence slots, one more than the step c
 padding tokens belong to. So a mixed step's key depends on its token count alone, and its padding waste is
 bounded by the ladder's spacing.
 
+Hybrid verify steps (speculative decoding on a model with recurrent state: every sequence carries its last
+token plus at most K drafts, and the recurrent layers keep the state after each position) replay verify graphs,
+keyed like decode graphs by padded batch size b, for one query-length bound L = K + 1: b * L token rows and 2b
+sequence slots (the real sequences, then padding sequences of at most L rows each: ceil((b * L - T) / L) <= b
+of them, since every real sequence has at least one row). L fixes the verify kernels' token loop, so padding
+rows must come in sequences no longer than the real ones may be.
+
 Token ladder: every multiple of 16 up to 128 (GEMMs over so few rows are bound by weight reads, so padding is
 nearly free there), then `per_octave` evenly spaced sizes per doubling: at most 1/per_octave of the rows are
 padding (12.5% at the default 8, about 6% on average), with 8 graphs per octave (56 up to 8,192 tokens).
@@ -24,6 +31,7 @@ class GraphKey:
     tokens: int  # padded token rows the graph computes
     seqs: int  # padded sequence slots of its batch
     decode: bool  # decode-only graph: one token per sequence (tokens == seqs)
+    verify: int = 0  # verify graph (hybrid models): every sequence has at most this many rows; 0 otherwise
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -87,6 +95,34 @@ def choose_key(num_tokens: int, num_seqs: int, decode_only: bool, decode_sizes: 
             return GraphKey(t, slots, False)
         i += 1
     return None
+
+
+def verify_keys(decode_sizes: list[int], width: int) -> list[GraphKey]:
+    """The verify graphs for query length bound `width` (K + 1): one per decode batch size; none for width < 2."""
+    return [GraphKey(b * width, 2 * b, False, width) for b in decode_sizes] if width >= 2 else []
+
+
+def choose_verify_key(num_seqs: int, max_query_len: int, decode_sizes: list[int], width: int) -> GraphKey | None:
+    """The verify graph of a step of num_seqs sequences (each of at most max_query_len rows), or None."""
+    if width < 2 or num_seqs < 1 or max_query_len > width:
+        return None
+    i = bisect.bisect_left(decode_sizes, num_seqs)
+    if i == len(decode_sizes):
+        return None
+    b = decode_sizes[i]
+    return GraphKey(b * width, 2 * b, False, width)
+
+
+def verify_padding_starts(num_tokens: int, num_seqs: int, key: GraphKey) -> list[int]:
+    """query_start[B + 1:] of a verify graph over a step of num_tokens rows in num_seqs = B sequences (the host
+    oracle of the device fill in graph_inputs.py): padding sequences of key.verify rows (the last one shorter),
+    then empty slots at key.tokens. Entry j is min(num_tokens + (j + 1) * key.verify, key.tokens)."""
+    return [min(num_tokens + (j + 1) * key.verify, key.tokens) for j in range(key.seqs - num_seqs)]
+
+
+def verify_padding_seqs(num_tokens: int, key: GraphKey) -> int:
+    """How many padding sequences (non-empty) a verify graph's padding rows form."""
+    return -(-(key.tokens - num_tokens) // key.verify)
 
 
 def padding_waste(num_tokens: int, key: GraphKey) -> float:

@@ -1,6 +1,6 @@
 """Triton causal conv1d for verify steps: the conv over each sequence's chunk (its last token plus its drafts),
 and the conv state after every position but the last written into that sequence's candidate slots, so a
-rejected draft rolls back by copying a candidate (lamina/engine/engine.py) instead of recomputing.
+rejected draft rolls back by copying a candidate (lamina/engine/readback.py) instead of recomputing.
 
 Contract: lamina.kernels.conv1d.causal_conv1d_varlen_ref with candidate_slots (device tensors instead of
 python lists). Sequence b owns rows query_start[b]..query_start[b+1] (L_b tokens); candidates [B, >= max L - 1]

@@ -37,6 +37,12 @@ def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> S
         decoder = SpecDecoder(config, MTPProposer.build(engine))
         engine.runner.keep_hidden = True  # the head reads the target's hidden states (SpecDecoder.observe)
         return decoder
+    if config.method == "replay":  # bench only (spec/replay.py): `lamina bench` fills in the reference
+        from lamina.spec.replay import ReplayProposer
+
+        # the model's vocabulary, not the lm_head's padded rows: a wrong draft must still embed
+        return SpecDecoder(config, ReplayProposer(config.acceptance_prob, engine.model_config.vocab_size,
+                                                  config.seed))
     raise ValueError(f"speculative_config: method {config.method!r} is not implemented in this build yet")
 
 

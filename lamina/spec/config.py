@@ -7,16 +7,19 @@ config is refused here (or, for what needs the checkpoint, at engine start-up) w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 METHODS = ("ngram", "self_spec", "draft_model", "mtp")
+# Methods only `lamina bench latency|throughput` takes (spec/replay.py): LLM(...) and `lamina serve` refuse them.
+BENCH_METHODS = ("replay",)
 # Options each method takes besides method / num_speculative_tokens (vLLM's names where vLLM has them).
 _OPTIONS = {
     "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
     "self_spec": {"skip_layers"},
     "draft_model": {"model"},
     "mtp": set(),
+    "replay": {"acceptance_prob", "seed"},
 }
 # Options of every method (lamina's own: vLLM has no such gate): drafting pauses per sequence while its
 # acceptance average stays below min_acceptance_rate (0: never), probed again after probe_interval steps.
@@ -33,6 +36,10 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the drafter's checkpoint (same tokenizer and vocabulary)
     min_acceptance_rate: float = 0.1  # spec/adaptive.py: pause a sequence's drafting below this (0: never)
     probe_interval: int = 64  # decode steps a paused sequence runs without drafts before drafting again
+    acceptance_prob: float = 0.8  # replay (bench only): each draft is the reference token with this probability
+    seed: int = 0  # replay: seed of which drafts are right
+    # Set by the bench's parse only: a bench-only method may run (LLM and serve refuse it otherwise).
+    bench: bool = field(default=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
@@ -49,10 +56,21 @@ def _int(cfg: dict, name: str, default: int, low: int) -> int:
     return value
 
 
-def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+def _refuse_bench_only(method: str) -> None:
+    raise ValueError(f"speculative_config: method {method!r} is bench-only (it replays a recorded continuation: "
+                     f"lamina bench latency|throughput --speculative-config); choose from {', '.join(METHODS)}")
+
+
+def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | None,
+                             bench: bool = False) -> SpeculativeConfig | None:
     """A checked SpeculativeConfig from a dict, its JSON text, or an existing config; None stays None.
-    Raises ValueError with one line naming what is wrong."""
-    if raw is None or isinstance(raw, SpeculativeConfig):
+    bench=True (`lamina bench` only) also takes the bench-only methods; an existing config with one of them
+    must come from such a parse. Raises ValueError with one line naming what is wrong."""
+    if raw is None:
+        return raw
+    if isinstance(raw, SpeculativeConfig):
+        if raw.method in BENCH_METHODS and not raw.bench:
+            _refuse_bench_only(raw.method)
         return raw
     if isinstance(raw, str):
         try:
@@ -64,7 +82,9 @@ def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | Non
     method = raw.get("method")
     if method is None and raw.get("model") is not None:
         method = "draft_model"  # vLLM infers the method from a draft model's name
-    if method not in METHODS:
+    if method in BENCH_METHODS and not bench:
+        _refuse_bench_only(method)
+    if method not in METHODS + BENCH_METHODS:
         raise ValueError(f"speculative_config: unknown method {method!r} (choose from {', '.join(METHODS)})")
     unknown = set(raw) - {"method", "num_speculative_tokens"} - _OPTIONS[method] - _GATE
     if unknown:
@@ -95,4 +115,12 @@ def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | Non
         if not isinstance(model, str) or not model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the drafter's checkpoint)")
         return SpeculativeConfig(method, k, model=model, **gate)
+    if method == "replay":
+        p = raw.get("acceptance_prob", 0.8)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ValueError(f"speculative_config: acceptance_prob must be a number in [0, 1], got {p!r}")
+        seed = raw.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"speculative_config: seed must be an integer, got {seed!r}")
+        return SpeculativeConfig(method, k, acceptance_prob=float(p), seed=seed, bench=True, **gate)
     return SpeculativeConfig(method, k, **gate)

