@@ -28,14 +28,15 @@ log = logging.getLogger("lamina")
 
 
 def load_model_and_tokenizer(config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                             progress: bool) -> tuple[ModelConfig, Any, torch.nn.Module]:
-    """(model config, tokenizer or None, the loaded model with its RoPE table built)."""
+                             progress: bool, parallel=None) -> tuple[ModelConfig, Any, torch.nn.Module]:
+    """(model config, tokenizer or None, the loaded model with its RoPE table built). parallel: this rank's
+    tensor-parallel context (its slice of the model is loaded)."""
     source = resolve_source(config.model)
     model_config, reader = read_config(source)
     tokenizer = load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer)
     max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
     model = load_model(source, model_config, reader, dtype, device, max_pos, progress, config.quantization,
-                       keep_quantized=not config.dequantize_gguf)
+                       keep_quantized=not config.dequantize_gguf, parallel=parallel)
     return model_config, tokenizer, model
 
 
@@ -84,9 +85,14 @@ def step_peak_bytes(model: torch.nn.Module, layout: StateLayout, config: EngineC
                               device)
 
 
-def build_kv_cache(layout: StateLayout, config: EngineConfig, device: torch.device, peak: int) -> KVCache:
-    """The KV pool, sized from the layers' specs and the memory budget, bound into the layers."""
+def build_kv_cache(layout: StateLayout, config: EngineConfig, device: torch.device, peak: int,
+                   parallel=None) -> KVCache:
+    """The KV pool, sized from the layers' specs and the memory budget, bound into the layers. Tensor-parallel
+    ranks share the block tables, so every rank takes the smallest count any of them can hold (each rank's
+    blocks hold only its KV heads)."""
     num_blocks = plan_kv_blocks(config, layout.kv_bytes_per_block(config.block_size), device, peak)
+    if parallel is not None:
+        num_blocks = parallel.min_int(num_blocks, device)
     kv = KVCache(layout.kv_specs, num_blocks, config.block_size, device)
     layout.bind_kv(kv.views)
     return kv
@@ -104,7 +110,8 @@ def kv_storage_dtype(config: EngineConfig) -> torch.dtype | None:
 
 
 def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
-                device: torch.device, timer: StartupTimer | None = None, extra_kv_layers: list | None = None) -> Pools:
+                device: torch.device, timer: StartupTimer | None = None, extra_kv_layers: list | None = None,
+                parallel=None) -> Pools:
     """extra_kv_layers: a proposer's attention layers that keep their KV in this pool, under the target's block
     tables (the mtp head's): budgeted, allocated and bound with the model's."""
     layout = StateLayout.collect(list(model.state_layers()) + list(extra_kv_layers or []), dtype,
@@ -114,7 +121,7 @@ def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: Mode
     peak = step_peak_bytes(model, layout, config, device)
     if timer is not None and peak:
         timer.phase("profiling")
-    kv = build_kv_cache(layout, config, device, peak)
+    kv = build_kv_cache(layout, config, device, peak, parallel)
     if timer is not None:
         timer.phase("KV planning")
     pool_tokens = kv.num_blocks * config.block_size

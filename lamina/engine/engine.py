@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 from lamina.cache.block_allocator import BlockAllocator
@@ -31,6 +32,8 @@ from lamina.engine.startup import StartupTimer
 from lamina.engine.stop import check_token_stop
 from lamina.engine.warmup import warm_up
 from lamina.outputs import CompletionOutput, RequestOutput
+from lamina.parallel.context import ParallelFailure
+from lamina.parallel.workers import start_tensor_parallel
 from lamina.sampling_params import SamplingParams
 from lamina.spec.accept import accepted_on_device
 from lamina.spec.build import build_spec_decoder, load_spec_weights
@@ -67,17 +70,34 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
-        timer = StartupTimer()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # Tensor parallelism: rank 0 is this process; its workers start first and load their slices meanwhile.
+        self.tp = start_tensor_parallel(config, self.device)  # None: one process, no collectives
+        try:
+            self._start(config, progress)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
+        self._close = weakref.finalize(self, self.tp.shutdown) if self.tp is not None else None
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do for one process); the engine cannot step after."""
+        if self._close is not None:
+            self._close()
+
+    def _start(self, config: EngineConfig, progress: bool) -> None:
+        timer = StartupTimer()
+        parallel = self.tp.ctx if self.tp is not None else None
         self.model_config, self.tokenizer, self.model = load_model_and_tokenizer(config, self.dtype, self.device,
-                                                                                 progress)
+                                                                                 progress, parallel)
         # A proposer's own weights (the mtp head) load now, so the KV pool's budget below sees them.
         self.spec_weights = load_spec_weights(config.speculative_config, self)
         timer.phase("weights")
         # KV blocks, state slots and snapshots, sized from the state the layers declare and bound into them.
         pools = build_pools(config, self.model, self.model_config, self.dtype, self.device, timer,
-                            getattr(self.spec_weights, "kv_layers", None))
+                            getattr(self.spec_weights, "kv_layers", None), parallel)
         self.state_layout, self.kv_cache = pools.layout, pools.kv_cache
         self.state_pool, self.snapshots = pools.state_pool, pools.snapshots
         self.max_model_len = pools.max_model_len
@@ -93,7 +113,10 @@ class LLMEngine:
                                    self.state_pool.allocator if self.state_pool is not None else None,
                                    self.prefix_cache, window)
         self.runner = ModelRunner(self.model, bs, self.device)
-        self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
+        if self.tp is not None:  # every step's inputs go to the workers first; no CUDA graphs yet (eager)
+            self.runner.step_sink = self.tp.send_step
+        else:
+            self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
         if self.runner.graphs is not None:
             timer.phase("graph capture")
         self.eos_token_ids = self._eos_ids()
@@ -269,6 +292,10 @@ class LLMEngine:
         if sched.scheduled:
             try:
                 launched = self._launch(sched.scheduled, touched)
+            except ParallelFailure as exc:  # the model itself is gone: nothing to isolate, the engine has failed
+                if self.tp is not None:
+                    self.tp.fail(exc)
+                raise
             except Exception as exc:  # one request's failure must not fail the others: isolate it
                 self.num_step_failures += 1
                 if self.state_pool is not None:
