@@ -294,7 +294,7 @@ class LLMEngine:
                 launched = self._launch(sched.scheduled, touched)
             except ParallelFailure as exc:  # the model itself is gone: nothing to isolate, the engine has failed
                 if self.tp is not None:
-                    self.tp.fail(exc)
+                    raise self.tp.fail(exc) from exc
                 raise
             except Exception as exc:  # one request's failure must not fail the others: isolate it
                 self.num_step_failures += 1

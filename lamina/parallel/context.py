@@ -5,12 +5,14 @@ rank), passed to the model build, and carried by the weight formats that need a 
 linears all-reduce, the vocab-parallel embedding all-reduces, lm_head gathers). With world 1 every collective
 is the identity and no process group exists, so a single-process model never pays for them.
 
-The collectives are torch.distributed's (gloo on the CPU, NCCL on CUDA); a failure of a peer (its process
+The collectives are torch.distributed's backends (gloo on the CPU, NCCL on CUDA); a failure of a peer (its process
 died, its socket closed) surfaces as ParallelFailure, which the engine treats as fatal rather than as one
 request's failure.
 """
 from __future__ import annotations
 
+import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +26,14 @@ class ParallelFailure(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class ParallelContext:
-    """rank/world of the tensor-parallel group; group: its torch.distributed ProcessGroup (None: world 1 or the
-    default group). Sizes of partitioned dimensions must divide by `world` (checked at start-up)."""
+    """rank/world of the tensor-parallel group. group: its torch.distributed backend (ProcessGroupGloo or
+    ProcessGroupNCCL), made by `connect`, not registered as torch's default group (so nothing global: two
+    engines could each hold one); store: its rendezvous store, kept alive with it. Both None for world 1."""
 
     rank: int = 0
     world: int = 1
     group: Any = None
+    store: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
@@ -39,42 +43,37 @@ class ParallelContext:
     def is_parallel(self) -> bool:
         return self.world > 1
 
+    def _wait(self, what: str, work: Callable[[], Any]) -> None:
+        if self.group is None:
+            raise ParallelFailure(f"tensor-parallel {what} without a process group (rank {self.rank} of {self.world})")
+        try:
+            work().wait()
+        except RuntimeError as e:
+            raise ParallelFailure(f"tensor-parallel {what} failed: {e}") from e
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place (x itself returned)."""
-        if self.world == 1:
-            return x
-        import torch.distributed as dist
-
-        try:
-            dist.all_reduce(x, group=self.group)
-        except RuntimeError as e:
-            raise ParallelFailure(f"tensor-parallel all-reduce failed: {e}") from e
+        if self.world > 1:
+            self._wait("all-reduce", lambda: self.group.allreduce([x]))
         return x
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] from every rank -> [..., world * n], rank order along the last dim (every rank gets it)."""
         if self.world == 1:
             return x
-        import torch.distributed as dist
-
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        try:
-            dist.all_gather(parts, x, group=self.group)
-        except RuntimeError as e:
-            raise ParallelFailure(f"tensor-parallel all-gather failed: {e}") from e
+        self._wait("all-gather", lambda: self.group.allgather([parts], [x]))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into every rank's x (same shape and dtype on every rank), in place."""
-        if self.world == 1:
-            return x
-        import torch.distributed as dist
+        if self.world > 1:
+            import torch.distributed as dist
 
-        try:
-            dist.broadcast(x, src=0, group=self.group)
-        except RuntimeError as e:
-            raise ParallelFailure(f"tensor-parallel broadcast failed: {e}") from e
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self._wait("broadcast", lambda: self.group.broadcast([x], opts))
         return x
 
     def min_int(self, value: int, device: torch.device) -> int:
@@ -84,11 +83,23 @@ class ParallelContext:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        try:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        except RuntimeError as e:
-            raise ParallelFailure(f"tensor-parallel all-reduce failed: {e}") from e
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._wait("all-reduce", lambda: self.group.allreduce([t], opts))
         return int(t.item())
+
+
+def connect(rank: int, world: int, port: int, device: torch.device, timeout: datetime.timedelta) -> ParallelContext:
+    """Joins the tensor-parallel group whose rank 0 listens on 127.0.0.1:`port` (rank 0 hosts the store):
+    gloo on the CPU, NCCL on CUDA. Blocks until every rank has joined (or `timeout`)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
+    if device.type == "cuda":
+        group = dist.ProcessGroupNCCL(store, rank, world)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world, timeout)
+    return ParallelContext(rank, world, group, store)
 
 
 SINGLE = ParallelContext()  # immutable: the single-process context

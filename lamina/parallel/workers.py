@@ -1,12 +1,12 @@
 """Tensor-parallel worker processes: rank 0 (inside the engine) starts ranks 1..N-1 and drives them.
 
 Process layout: the engine core process is rank 0. It spawns N-1 workers (torch.multiprocessing's spawn
-context: fresh interpreters, no inherited CUDA state), all N join one torch.distributed group (gloo on the
-CPU, NCCL on CUDA; rank r uses cuda:r), and every rank goes through the same start-up in the same order:
-load its slice of the weights, lay out its state, agree on the KV block count (the smallest any rank fits),
-allocate its pools. Then the workers loop: receive a step (lamina/parallel/step_message.py), run the
-forward, repeat until told to stop. Rank 0 alone schedules and samples; its runner sends each step before
-running its own forward. Workers hold no request state at all, so nothing else ever needs sending.
+context: fresh interpreters, no inherited CUDA state); all N join one torch.distributed group (gloo on the
+CPU, NCCL on CUDA; rank r uses cuda:r; context.connect), and every rank goes through the same start-up in
+the same order: load its slice of the weights, lay out its state, agree on the KV block count (the smallest
+any rank fits), allocate its pools. Then the workers loop: receive a step (lamina/parallel/step_message.py),
+run the forward, repeat until told to stop. Rank 0 alone schedules and samples; its runner sends each step
+before running its own forward. Workers hold no request state at all, so nothing else ever needs sending.
 
 Failure: a worker that dies closes its sockets, so rank 0's next collective raises; rank 0 also checks the
 workers' liveness before each step. Either becomes ParallelFailure, which the engine does not retry: the step's
@@ -28,17 +28,13 @@ from typing import Any
 
 import torch
 
-from lamina.parallel.context import ParallelContext, ParallelFailure
+from lamina.parallel.context import ParallelFailure, connect
 from lamina.parallel.step_message import recv_step, send_step, send_stop
 
 log = logging.getLogger("lamina")
 
 # How long a collective may wait for a peer that is alive but silent (a crashed peer fails at once).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -76,26 +72,22 @@ class TPGroup:
     """Rank 0's handle on its workers: start them, send each step, notice their death, stop them."""
 
     def __init__(self, config: Any, device: torch.device) -> None:
-        import torch.distributed as dist
-
         self.world = config.tensor_parallel_size
         self.device = device
         self.failure: str | None = None
-        addr = f"tcp://127.0.0.1:{_free_port()}"
+        port = _free_port()
         mp = multiprocessing.get_context("spawn")
         self.pipes, self.procs = [], []
         with _children_allowed():
             for rank in range(1, self.world):
                 recv, send = mp.Pipe(duplex=False)
                 proc = mp.Process(target=worker_main, name=f"lamina-tp{rank}", daemon=True,
-                                  args=(rank, self.world, addr, config, send, logging.getLogger("lamina").level))
+                                  args=(rank, self.world, port, config, send, logging.getLogger("lamina").level))
                 proc.start()
                 send.close()
                 self.pipes.append(recv)
                 self.procs.append(proc)
-        dist.init_process_group(backend_for(device), init_method=addr, rank=0, world_size=self.world,
-                                timeout=COLLECTIVE_TIMEOUT)
-        self.ctx = ParallelContext(0, self.world)
+        self.ctx = connect(0, self.world, port, device, COLLECTIVE_TIMEOUT)
 
     def _worker_error(self, i: int) -> str:
         pipe = self.pipes[i]
@@ -119,21 +111,23 @@ class TPGroup:
         self.check()
         send_step(self.ctx, batch)
 
-    def fail(self, exc: BaseException) -> None:
-        """A step failed with `exc` (a ParallelFailure): the group is broken for good. Names the worker that
-        exited when one did (a collective fails as soon as its peer's socket closes, maybe before the
-        exit is seen), else keeps exc's message."""
+    def fail(self, exc: BaseException) -> ParallelFailure:
+        """A step failed with `exc` (a ParallelFailure): the group is broken for good. Returns the error to
+        raise: it names the worker that exited when one did (a collective fails as soon as its peer's socket
+        closes, maybe before the exit is seen), else it keeps exc's message."""
         if self.failure is None:
-            multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=2.0)
+            ended = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=2.0)
+            for proc in self.procs:  # its sentinel closes a moment before it can be reaped
+                if proc.sentinel in ended:
+                    proc.join(2.0)
             with contextlib.suppress(ParallelFailure):
                 self.check()
         if self.failure is None:
             self.failure = str(exc)
+        return ParallelFailure(self.failure)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Tells the workers to stop (if they can still hear it), waits for them, ends the group."""
-        import torch.distributed as dist
-
+        """Tells the workers to stop (if they can still hear it) and waits for them."""
         if self.failure is None and all(p.is_alive() for p in self.procs):
             with contextlib.suppress(Exception):
                 send_stop(self.ctx, self.device)
@@ -144,9 +138,6 @@ class TPGroup:
                 proc.join(timeout)
         for pipe in self.pipes:
             pipe.close()
-        with contextlib.suppress(Exception):
-            if dist.is_initialized():
-                dist.destroy_process_group()
 
 
 def start_tensor_parallel(config: Any, device: torch.device) -> TPGroup | None:
@@ -163,13 +154,11 @@ def start_tensor_parallel(config: Any, device: torch.device) -> TPGroup | None:
     return TPGroup(config, device)
 
 
-def worker_main(rank: int, world: int, addr: str, config: Any, errors, log_level: int) -> None:
+def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level: int) -> None:
     """A worker's whole life: join the group, build its slice of the model and pools, run the steps."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when the workers stop
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lamina").setLevel(log_level)
-    import torch.distributed as dist
-
     from lamina.engine.build import build_pools
     from lamina.engine.memory import resolve_device, resolve_dtype
     from lamina.engine.runner import ModelRunner
@@ -179,9 +168,7 @@ def worker_main(rank: int, world: int, addr: str, config: Any, errors, log_level
         device = rank_device(resolve_device(config.device), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend_for(device), init_method=addr, rank=rank, world_size=world,
-                                timeout=COLLECTIVE_TIMEOUT)
-        ctx = ParallelContext(rank, world)
+        ctx = connect(rank, world, port, device, COLLECTIVE_TIMEOUT)
         dtype = resolve_dtype(config.dtype, device)
         source = resolve_source(config.model)  # no tokenizer: a worker only runs forwards
         model_config, reader = read_config(source)
@@ -198,6 +185,4 @@ def worker_main(rank: int, world: int, addr: str, config: Any, errors, log_level
             errors.send(f"{type(e).__name__}: {e}")
         sys.stdout.flush()
         os._exit(1)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-    os._exit(0)
+    os._exit(0)  # skip the interpreter's teardown of torch and the model
