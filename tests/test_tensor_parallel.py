@@ -90,6 +90,20 @@ def test_replicated_kv_heads_tied_vocab(tmp_path_factory, smol_tokenizer, one_th
         llm.engine.close()
 
 
+def test_moe_tp2_matches_tp1(tmp_path_factory, smol_tokenizer, one_thread):
+    """qwen3_moe: routed experts split along their intermediate dim, router replicated; one dense layer too."""
+    from hybrid_helpers import make_hybrid_checkpoint
+
+    path = make_hybrid_checkpoint(tmp_path_factory.mktemp("tp") / "qwen3_moe", "qwen3_moe", smol_tokenizer, seed=6)
+    one, two, llm = _pair(path)
+    try:
+        _assert_same(one, two)
+        experts = llm.engine.model.model.layers[0].mlp.experts
+        assert tuple(experts.gate_up_proj.shape) == (4, 32, 64) and tuple(experts.down_proj.shape) == (4, 64, 16)
+    finally:
+        llm.engine.close()
+
+
 def test_single_process_path_unchanged(checkpoints, one_thread):
     import torch.distributed as dist
 
@@ -155,7 +169,7 @@ def test_unsupported_layer_kinds_refused():
     from lamina.parallel.tp_plan import check_tp_config
 
     cfg = ModelConfig("qwen3_next", 64, 16, 32, 4, 2, 4, [LayerSpec("gated_delta_net", "moe")])
-    with pytest.raises(ValueError, match="does not split gated_delta_net, moe layers yet"):
+    with pytest.raises(ValueError, match="does not split gated_delta_net layers yet"):
         check_tp_config(cfg, 2)
     cfg = ModelConfig("llama", 64, 16, 32, 6, 3, 4, [LayerSpec()])
     with pytest.raises(ValueError, match="3 KV heads neither divide by 2 nor divide it"):
@@ -195,3 +209,25 @@ def test_formats_load_their_rank_slice():
     assert torch.equal(row.weight, w[:, 3:])
     with pytest.raises(ValueError, match=r"expects shape \(4, 6\), the checkpoint has \(4, 3\)"):
         weight_loader(row, "weight")(row.weight, w[:, 3:])
+
+
+def test_expert_format_loads_its_rank_slice():
+    """Stacked [E, 2I, H] / [E, H, I] tensors and per-expert shards land as the same local slices."""
+    from lamina.models.layers.moe import FusedExperts
+    from lamina.models.weight_formats import weight_loader
+    from lamina.parallel.tp_formats import TPExperts
+
+    gate_up, down = torch.randn(3, 8, 5), torch.randn(3, 5, 4)
+    stacked = FusedExperts(3, 5, 4, fmt=TPExperts(ParallelContext(1, 2)))
+    weight_loader(stacked, "gate_up_proj")(stacked.gate_up_proj, gate_up)
+    weight_loader(stacked, "down_proj")(stacked.down_proj, down)
+    assert torch.equal(stacked.gate_up_proj, torch.cat([gate_up[:, 2:4], gate_up[:, 6:]], dim=1))
+    assert torch.equal(stacked.down_proj, down[:, :, 2:])
+    each = FusedExperts(3, 5, 4, fmt=TPExperts(ParallelContext(1, 2)))
+    for e in range(3):
+        weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[e, :4], "gate", e)
+        weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[e, 4:], "up", e)
+        weight_loader(each, "down_proj")(each.down_proj, down[e], None, e)
+    assert torch.equal(each.gate_up_proj, stacked.gate_up_proj) and torch.equal(each.down_proj, stacked.down_proj)
+    with pytest.raises(ValueError, match=r"expects shape \(4, 5\), the checkpoint has \(2, 5\)"):
+        weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[0, :2], "gate", 0)

@@ -7,6 +7,9 @@ The split (Megatron-style, one all-reduce per sublayer):
   column-parallel by part, o_proj row-parallel. Each rank's KV pool holds only its KV heads (the layer's
   state_spec declares the local count).
 - dense MLP: gate_up_proj column-parallel by part, down_proj row-parallel.
+- MoE (softmax top-k routing): the router is replicated (every rank routes every token the same way), each
+  routed expert is split along its intermediate dim (TPExperts), a shared expert like a dense MLP (its
+  sigmoid gate replicated); each part all-reduces its partial sum.
 - embedding and lm_head: vocab-parallel (rows split; lm_head's logits all-gathered, tied weights stay tied).
 - norms, RoPE and everything else: replicated.
 """
@@ -19,10 +22,11 @@ from torch import nn
 from lamina.models.config import ModelConfig
 from lamina.models.weight_formats import FormatChoice, Partition, WeightFormat
 from lamina.parallel.context import ParallelContext
-from lamina.parallel.tp_formats import ColumnParallel, RowParallel
+from lamina.parallel.tp_formats import ColumnParallel, RowParallel, TPExperts
 
 SUPPORTED_MIXERS = ("attention",)
-SUPPORTED_FFNS = ("dense",)
+SUPPORTED_FFNS = ("dense", "moe")
+_REPLICATED = ("gate", "shared_expert_gate")  # the MoE router and the shared expert's gate
 _COLUMN = ("qkv_proj", "gate_up_proj")
 _ROW = ("o_proj", "down_proj")
 _VOCAB = ("embed_tokens", "lm_head")
@@ -37,11 +41,17 @@ def check_tp_config(cfg: ModelConfig, world: int) -> None:
                    {s.ffn for s in cfg.layers if s.ffn not in SUPPORTED_FFNS})
     if kinds or cfg.single_sublayer:
         raise ValueError(f"{what}: tensor parallelism does not split {', '.join(kinds) or 'single-sublayer'} "
-                         f"layers yet (family {cfg.family}; supported: attention mixers and dense MLPs)")
+                         f"layers yet (family {cfg.family}; supported: attention mixers, dense MLPs, MoE)")
     if cfg.quantization_config is not None:
         raise ValueError(f"{what}: tensor parallelism does not split quantized checkpoints yet")
+    if cfg.moe is not None and (cfg.moe.topk_method is not None or cfg.moe.shared_experts_intermediate_size):
+        raise ValueError(f"{what}: tensor parallelism does not split DeepSeek-style MoE layers yet")
     checks = [("attention heads", cfg.num_heads), ("vocabulary size", cfg.vocab_size),
               ("intermediate size", cfg.intermediate_size)]
+    if cfg.moe is not None:
+        checks += [("expert intermediate size", cfg.moe.intermediate_size)]
+        if cfg.moe.shared_intermediate_size:
+            checks += [("shared expert intermediate size", cfg.moe.shared_intermediate_size)]
     for name, n in checks:
         if n % world:
             raise ValueError(f"{what}: the model's {name} ({n}) does not divide by {world}")
@@ -68,8 +78,12 @@ def tp_format_choice(ctx: ParallelContext, cfg: ModelConfig) -> FormatChoice:
     kv_part = Partition(ctx.rank * kv // ctx.world, kv, 0) if kv < ctx.world else None
     qkv_parts = {"k": kv_part, "v": kv_part} if kv_part is not None else None
 
-    def choose(name: str, module: nn.Module) -> WeightFormat:
+    def choose(name: str, module: nn.Module) -> WeightFormat | TPExperts | None:
         role = name.rpartition(".")[2]
+        if role == "experts":
+            return TPExperts(ctx)
+        if role in _REPLICATED:
+            return None
         if role == "qkv_proj":
             return ColumnParallel(ctx, qkv_parts)
         if role in _COLUMN:
