@@ -231,3 +231,57 @@ def test_expert_format_loads_its_rank_slice():
     assert torch.equal(each.gate_up_proj, stacked.gate_up_proj) and torch.equal(each.down_proj, stacked.down_proj)
     with pytest.raises(ValueError, match=r"expects shape \(4, 5\), the checkpoint has \(2, 5\)"):
         weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[0, :2], "gate", 0)
+
+
+def test_core_process_drives_workers_and_reports_a_lost_one(checkpoints):
+    """Behind the server: the (daemonic) engine core process starts its worker, streams a request, and when
+    the worker is killed the in-flight stream fails with the reason and the client stops running (/health
+    503) instead of hanging."""
+    import asyncio
+
+    from lamina.engine.async_engine import AsyncEngine
+
+    config = EngineConfig(model=str(checkpoints["qwen3"]), tensor_parallel_size=2, **{k: v for k, v in KW.items()
+                                                                                      if k != "progress"})
+    client = AsyncEngine.spawn(config)
+    try:
+        assert client.is_running
+        workers = _spawned_children(client.pid)
+        assert len(workers) == 1
+
+        async def run() -> list:
+            got = []
+            async for out in client.generate("a", PROMPTS[0], SamplingParams(max_tokens=300, ignore_eos=True)):
+                got.append(out)
+                if len(got) == 2:
+                    os.kill(workers[0], signal.SIGKILL)
+            return got
+
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="worker 1"):
+            asyncio.run(run())
+        assert time.monotonic() - t0 < 60
+        deadline = time.monotonic() + 10
+        while client.is_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.is_running
+    finally:
+        client.shutdown(timeout=10)
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Ids of `pid`'s multiprocessing-spawned children other than its resource tracker (Linux /proc)."""
+    out = []
+    for stat in os.listdir("/proc"):
+        if not stat.isdigit():
+            continue
+        try:
+            with open(f"/proc/{stat}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{stat}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(int(stat))
+    return out
