@@ -58,14 +58,16 @@ def _free_port() -> int:
 def _children_allowed():
     """The server's engine core is a daemonic process (so the server's exit ends it), and multiprocessing
     refuses children to daemonic processes; its workers are daemonic too and end with it."""
-    proc = multiprocessing.current_process()
-    daemon = proc._config.get("daemon")
-    proc._config["daemon"] = False
+    config = multiprocessing.current_process()._config
+    had, daemon = "daemon" in config, config.get("daemon")
+    config["daemon"] = False
     try:
         yield
     finally:
-        if daemon is not None:
-            proc._config["daemon"] = daemon
+        if had:
+            config["daemon"] = daemon
+        else:
+            config.pop("daemon", None)
 
 
 class TPGroup:
