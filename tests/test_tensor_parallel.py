@@ -162,6 +162,8 @@ def test_more_ranks_than_gpus_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="needs 2 GPUs, this host has 1"):
         workers.check_devices(torch.device("cuda"), 2)
+    with pytest.raises(ValueError, match="give --device cuda, not cuda:1"):
+        workers.check_devices(torch.device("cuda", 1), 2)
 
 
 def test_unsupported_layer_kinds_refused():

@@ -52,8 +52,9 @@ class ParallelContext:
             raise ParallelFailure(f"tensor-parallel {what} failed: {e}") from e
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over the ranks, in place (x itself returned)."""
+        """Sum of x over the ranks: x itself (summed in place), or a contiguous copy of a strided x."""
         if self.world > 1:
+            x = x.contiguous()
             self._wait("all-reduce", lambda: self.group.allreduce([x]))
         return x
 

@@ -33,7 +33,9 @@ def send_step(ctx: ParallelContext, batch) -> None:
     b, w = a.block_tables.shape
     dev = batch.input_ids.device
     header = torch.tensor([STEP, batch.input_ids.shape[0], batch.logits_indices.shape[0], b, w,
-                           a.max_query_len, a.max_seq_len, 0], dtype=torch.int64, device=dev)
+                           a.max_query_len, a.max_seq_len, 0], dtype=torch.int64)
+    if dev.type == "cuda":  # NCCL sends device tensors; a pinned source keeps the copy from syncing the host
+        header = header.pin_memory().to(dev, non_blocking=True)
     payload = torch.cat([batch.input_ids.long(), batch.positions.long(), a.slot_mapping.long(),
                          batch.logits_indices.long(), a.query_start.long(), a.seq_lens.long(),
                          a.block_tables.long().reshape(-1)])

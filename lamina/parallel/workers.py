@@ -42,7 +42,9 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def check_devices(device: torch.device, world: int) -> None:
-    """One line when the host has fewer GPUs than ranks."""
+    """One line when the host has fewer GPUs than ranks (rank r runs on cuda:r)."""
+    if device.type == "cuda" and device.index not in (None, 0):
+        raise ValueError(f"--tensor-parallel-size {world} places rank r on cuda:r; give --device cuda, not {device}")
     if device.type == "cuda" and world > torch.cuda.device_count():
         raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs, this host has "
                          f"{torch.cuda.device_count()}")
