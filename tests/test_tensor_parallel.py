@@ -76,6 +76,18 @@ def test_rank0_holds_its_slice(qwen3):
     assert eng.allocator.num_free == eng.allocator.num_blocks  # every lease came back
 
 
+def test_preemption_under_tp(qwen3):
+    """A pool too small for the batch: rank 0 preempts and recomputes; the workers only follow the steps."""
+    _, _, llm = qwen3
+    prompts = [[p + i for p in PROMPTS[0]] for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    two = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    one = LLM(llm.engine.config.model, **KW).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in two]
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
 def test_replicated_kv_heads_tied_vocab(tmp_path_factory, smol_tokenizer, one_thread):
     """qwen2: one KV head for two ranks (replicated), qkv bias, lm_head tied to the vocab-parallel embedding."""
     path = make_checkpoint(tmp_path_factory.mktemp("tp") / "qwen2", "qwen2", smol_tokenizer, seed=4,
