@@ -119,6 +119,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                         "tokens) (default: auto)")
     p.add_argument("--dequantize-gguf", action="store_true",
                    help="GGUF: dequantize every tensor at load instead of keeping Q4/Q5/Q6/Q8 blocks packed")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="split the model over this many processes, one per GPU (dense attention + MLP "
+                        "families; default: 1)")
     p.set_defaults(loads_model=True)
 
 
@@ -140,7 +143,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 speculative_config=getattr(args, "speculative_config", None),
                 dequantize_gguf=getattr(args, "dequantize_gguf", False), tokenizer=getattr(args, "tokenizer", None),
-                skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False))
+                skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

@@ -42,6 +42,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3, per-tensor scale 1.0)
     # GGUF: dequantize every tensor at load (default: the supported block types stay packed).
     dequantize_gguf: bool = False
+    # Tensor parallelism: the model split over this many processes (one per GPU; lamina/parallel/). 1: one
+    # process, no collectives.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -55,5 +58,7 @@ class EngineConfig:
             raise ValueError(f"unsupported quantization {self.quantization!r}; supported: fp8")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, fp8")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

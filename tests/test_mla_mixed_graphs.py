@@ -39,7 +39,8 @@ def test_build_caps_mixed_graphs_at_the_mla_limit(tmp_path, smol_tokenizer, monk
     seen = {}
 
     class Probe:  # records what build_graphs asks for; captures nothing
-        def __init__(self, model, max_num_seqs, max_model_len, block_size, device, pad, tokens, mixed=None, verify_width=0):
+        def __init__(self, model, max_num_seqs, max_model_len, block_size, device, pad, tokens, mixed=None,
+                     verify_width=0):
             seen.update(tokens=tokens, mixed=mixed)
 
         def capture(self):

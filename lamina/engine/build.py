@@ -30,15 +30,16 @@ log = logging.getLogger("lamina")
 
 
 def load_model_and_tokenizer(config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                             progress: bool) -> tuple[ModelConfig, Any, torch.nn.Module]:
-    """(model config, tokenizer or None, the loaded model with its RoPE table built)."""
+                             progress: bool, parallel=None) -> tuple[ModelConfig, Any, torch.nn.Module]:
+    """(model config, tokenizer or None, the loaded model with its RoPE table built). parallel: this rank's
+    tensor-parallel context (its slice of the model is loaded)."""
     source = resolve_source(config.model)
     model_config, reader = read_config(source)
     tokenizer = (None if config.skip_tokenizer_init else
                  load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer))
     max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
     model = load_model(source, model_config, reader, dtype, device, max_pos, progress, config.quantization,
-                       keep_quantized=not config.dequantize_gguf)
+                       keep_quantized=not config.dequantize_gguf, parallel=parallel)
     return model_config, tokenizer, model
 
 
@@ -87,19 +88,26 @@ def step_peak_bytes(model: torch.nn.Module, layout: StateLayout, config: EngineC
                               device)
 
 
-def build_kv_cache(layout: StateLayout, config: EngineConfig, device: torch.device, peak: int) -> KVCache:
+def build_kv_cache(layout: StateLayout, config: EngineConfig, device: torch.device, peak: int,
+                   parallel=None) -> KVCache:
     """The KV pool, sized from the layers' specs and the memory budget, bound into the layers.
 
     A model mixing sliding-window and full layers (cache/kv_groups.py): the window group's pool gets what its
     sequences can hold at most (window_pool_blocks; never more blocks than the primary pool plus its null
-    block), and the primary pool the rest of the budget. An explicit num_kv_blocks counts primary blocks."""
+    block), and the primary pool the rest of the budget. An explicit num_kv_blocks counts primary blocks.
+    Tensor-parallel ranks share the block tables, so every rank takes the smallest count any of them can hold
+    (each rank's blocks hold only its KV heads)."""
     bs = config.block_size
     windowed = windowed_layers(layout.kv_specs)
     if not any(windowed):
         num_blocks = plan_kv_blocks(config, layout.kv_bytes_per_block(bs), device, peak)
+        if parallel is not None:
+            num_blocks = parallel.min_int(num_blocks, device)
         kv = KVCache(layout.kv_specs, num_blocks, bs, device)
         layout.bind_kv(kv.views)
         return kv
+    if parallel is not None:
+        raise ValueError("tensor parallelism does not support sliding-window layers next to full ones yet")
     prim = KVCache.bytes_per_block([s for s, w in zip(layout.kv_specs, windowed) if not w], bs)
     win = KVCache.bytes_per_block([s for s, w in zip(layout.kv_specs, windowed) if w], bs)
     need = window_pool_blocks(mixed_window(layout.kv_specs), bs, config.max_num_seqs, config.max_num_batched_tokens)
@@ -133,7 +141,8 @@ def kv_storage_dtype(config: EngineConfig) -> torch.dtype | None:
 
 
 def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
-                device: torch.device, timer: StartupTimer | None = None, extra_kv_layers: list | None = None) -> Pools:
+                device: torch.device, timer: StartupTimer | None = None, extra_kv_layers: list | None = None,
+                parallel=None) -> Pools:
     """extra_kv_layers: a proposer's attention layers that keep their KV in this pool, under the target's block
     tables (the mtp head's): budgeted, allocated and bound with the model's."""
     layout = StateLayout.collect(list(model.state_layers()) + list(extra_kv_layers or []), dtype,
@@ -143,7 +152,7 @@ def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: Mode
     peak = step_peak_bytes(model, layout, config, device)
     if timer is not None and peak:
         timer.phase("profiling")
-    kv = build_kv_cache(layout, config, device, peak)
+    kv = build_kv_cache(layout, config, device, peak, parallel)
     if timer is not None:
         timer.phase("KV planning")
     pool_tokens = kv.num_blocks * config.block_size

@@ -19,6 +19,7 @@ from typing import Any
 from lamina.engine.engine import EngineStats, LLMEngine
 from lamina.engine.ipc import FinishedRequest, IterationStats, SampleStop
 from lamina.outputs import RequestOutput
+from lamina.parallel.context import ParallelFailure
 from lamina.sampling_params import SamplingParams
 
 log = logging.getLogger("lamina")
@@ -86,7 +87,7 @@ class EngineCore:
             outputs = self.engine.step()
             it.num_step_tokens += self.engine.scheduler.num_scheduled_tokens
         except Exception as exc:
-            if not contain_failures:
+            if not contain_failures or isinstance(exc, ParallelFailure):  # a lost TP worker: the core has failed
                 raise
             log.exception("engine step failed; failing the requests in flight")
             self.num_step_failures += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+import weakref
 
 from lamina.cache.block_allocator import BlockAllocator
 from lamina.cache.prefix_cache import PrefixCache
@@ -20,6 +20,7 @@ from lamina.cache.sliding_window import release_horizon
 from lamina.config import EngineConfig
 from lamina.engine.build import build_graphs, build_pools, build_window_group, load_model_and_tokenizer
 from lamina.engine.detokenizer import DeferredTokenText, initial_state
+from lamina.engine.engine_stats import EngineStats, engine_stats
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.logprobs import prompt_logprobs_for_chunk
 from lamina.engine.memory import resolve_device, resolve_dtype
@@ -31,6 +32,8 @@ from lamina.engine.scheduler import ScheduledSeq, Scheduler
 from lamina.engine.startup import StartupTimer
 from lamina.engine.warmup import warm_up
 from lamina.outputs import RequestOutput
+from lamina.parallel.context import ParallelFailure
+from lamina.parallel.workers import start_tensor_parallel
 from lamina.sampling_params import SamplingParams
 from lamina.spec.accept import accepted_on_device
 from lamina.spec.build import build_spec_decoder, load_spec_weights
@@ -39,45 +42,37 @@ from lamina.structured.manager import StructuredOutputManager
 log = logging.getLogger("lamina")
 
 
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_snapshot_hits: int = 0  # hybrid prefix-cache hits (restored state snapshots), cumulative
-    num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, cumulative
-    num_step_failures: int = 0  # steps that raised and were retried without the requests that caused it
-    # Speculative decoding, cumulative (lamina/spec/decoder.py SpecStats): verify runs, draft tokens verified,
-    # drafts accepted, and accepted drafts by position in the run.
-    num_spec_drafts: int = 0
-    num_spec_draft_tokens: int = 0
-    num_spec_accepted_tokens: int = 0
-    spec_accepted_per_position: list[int] | None = None
-    num_preemptions: int = 0  # sequences preempted (blocks freed, recomputed later), cumulative
-    # Speculation paused for low acceptance (spec/adaptive.py): sequences paused now, and pauses so far.
-    num_spec_paused: int = 0
-    num_spec_pauses: int = 0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
-
-
 class LLMEngine(StepReadback):
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
-        timer = StartupTimer()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # Tensor parallelism: rank 0 is this process; its workers start first and load their slices meanwhile.
+        self.tp = start_tensor_parallel(config, self.device)  # None: one process, no collectives
+        try:
+            self._start(config, progress)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
+        self._close = weakref.finalize(self, self.tp.shutdown) if self.tp is not None else None
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do for one process); the engine cannot step after."""
+        if self._close is not None:
+            self._close()
+
+    def _start(self, config: EngineConfig, progress: bool) -> None:
+        timer = StartupTimer()
+        parallel = self.tp.ctx if self.tp is not None else None
         self.model_config, self.tokenizer, self.model = load_model_and_tokenizer(config, self.dtype, self.device,
-                                                                                 progress)
+                                                                                 progress, parallel)
         # A proposer's own weights (the mtp head) load now, so the KV pool's budget below sees them.
         self.spec_weights = load_spec_weights(config.speculative_config, self)
         timer.phase("weights")
         # KV blocks, state slots and snapshots, sized from the state the layers declare and bound into them.
         pools = build_pools(config, self.model, self.model_config, self.dtype, self.device, timer,
-                            getattr(self.spec_weights, "kv_layers", None))
+                            getattr(self.spec_weights, "kv_layers", None), parallel)
         self.state_layout, self.kv_cache = pools.layout, pools.kv_cache
         self.state_pool, self.snapshots = pools.state_pool, pools.snapshots
         self.max_model_len = pools.max_model_len
@@ -95,7 +90,10 @@ class LLMEngine(StepReadback):
                                    self.state_pool.allocator if self.state_pool is not None else None,
                                    self.prefix_cache, window, self.window_group)
         self.runner = ModelRunner(self.model, bs, self.device)
-        self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
+        if self.tp is not None:  # every step's inputs go to the workers first; no CUDA graphs yet (eager)
+            self.runner.step_sink = self.tp.send_step
+        else:
+            self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
         if self.runner.graphs is not None:
             timer.phase("graph capture")
         self.eos_token_ids = self._eos_ids()
@@ -238,19 +236,7 @@ class LLMEngine(StepReadback):
 
     def stats(self) -> EngineStats:
         """Requests (not sequences: n > 1 counts once) running and waiting, and the KV pool's state."""
-        running = {s.request_id for s in self.scheduler.running}
-        waiting = ({s.request_id for s in self.scheduler.waiting} | self.structured.held_ids) - running
-        spec = self.spec.stats if self.spec is not None else None
-        return EngineStats(len(running), len(waiting), self.allocator.num_free,
-                           self.allocator.num_blocks,
-                           self.prefix_cache.snapshot_hits if self.prefix_cache is not None else 0,
-                           self.prefix_cache.queried_tokens if self.prefix_cache is not None else 0,
-                           self.num_step_failures, *((spec.num_drafts, spec.num_draft_tokens,
-                                                      spec.num_accepted_tokens, list(spec.accepted_per_position))
-                                                     if spec is not None else ()),
-                           num_preemptions=self.scheduler.num_preemptions,
-                           num_spec_paused=self.spec.gate.num_paused if self.spec is not None else 0,
-                           num_spec_pauses=self.spec.gate.num_pauses if self.spec is not None else 0)
+        return engine_stats(self)
 
     # ---- the step -------------------------------------------------------------------------------
     num_step_failures = 0  # steps whose forward or sampling raised (each retried without its culprit)
@@ -271,6 +257,10 @@ class LLMEngine(StepReadback):
         if sched.scheduled:
             try:
                 launched = self._launch(sched.scheduled, touched)
+            except ParallelFailure as exc:  # the model itself is gone: nothing to isolate, the engine has failed
+                if self.tp is not None:
+                    raise self.tp.fail(exc) from exc
+                raise
             except Exception as exc:  # one request's failure must not fail the others: isolate it
                 self.num_step_failures += 1
                 if self.state_pool is not None:

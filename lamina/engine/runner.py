@@ -94,6 +94,11 @@ class ModelRunner:
                                                     if s.mixer in ("attention", "gated_attention"))) or (None,)
         lm_head = getattr(model, "lm_head", None)
         self.vocab = lm_head.weight.shape[0] if lm_head is not None else None
+        if getattr(getattr(lm_head, "format", None), "gather", False):  # vocab-parallel: logits come gathered
+            self.vocab = lm_head.out_features
+        # Tensor parallelism: called with each batch before its forward (rank 0 broadcasts the step's inputs
+        # to the workers, lamina/parallel/); None: a single process.
+        self.step_sink = None
 
     @torch.inference_mode()  # its persistent buffers are updated in place, whoever first created them
     def prepare(self, scheduled: list[ScheduledSeq], pending: PendingTokens | None = None,
@@ -230,6 +235,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] in fp32."""
+        if self.step_sink is not None:
+            return self._execute_parallel(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
             if self.keep_hidden:  # the graph's static buffer: its first rows are this batch's tokens
@@ -239,3 +246,20 @@ class ModelRunner:
             self.last_hidden = self.model.hidden_states(batch.input_ids, batch.positions, batch.ctx)
             return self.model.compute_logits(self.last_hidden.index_select(0, batch.logits_indices))
         return self.model(batch.input_ids, batch.positions, batch.ctx, batch.logits_indices)
+
+    def _execute_parallel(self, batch: ForwardBatch) -> torch.Tensor:
+        """Sends the step to the tensor-parallel workers, then runs this rank's forward. A forward that fails
+        here after the workers started theirs leaves them waiting in a collective: fatal for the group."""
+        from lamina.parallel.context import ParallelFailure
+
+        sink, self.step_sink = self.step_sink, None
+        try:
+            sink(batch)
+            return self.execute(batch)
+        except ParallelFailure:
+            raise
+        except Exception as e:
+            raise ParallelFailure(f"the forward failed on rank 0 after the workers started it ({type(e).__name__}: "
+                                  f"{e}); the tensor-parallel ranks are out of step") from e
+        finally:
+            self.step_sink = sink

@@ -100,12 +100,16 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.dtype, device: torch.device,
                max_positions: int, progress: bool = True, quantization: str | None = None,
-               keep_quantized: bool = True) -> CausalLM:
+               keep_quantized: bool = True, parallel=None) -> CausalLM:
     """quantization: an online method (--quantization fp8) for a dense checkpoint; a checkpoint's own
     quantization_config chooses its formats (an unsupported one is refused here, before any weight is read).
-    keep_quantized: GGUF block types that have a weight format stay packed (False: dequantize all)."""
+    keep_quantized: GGUF block types that have a weight format stay packed (False: dequantize all).
+    parallel: this process's tensor-parallel ParallelContext (lamina/parallel/); with world > 1 each layer
+    gets its rank's tensor-parallel format, which loads only its slice of each checkpoint tensor."""
     from lamina.models.quantization import format_chooser
 
+    if parallel is not None and parallel.is_parallel:
+        return _load_parallel(source, cfg, dtype, device, max_positions, progress, parallel)
     plan = None
     if source.kind == "gguf" and keep_quantized:
         from lamina.models.gguf_loader import gguf_plan
@@ -137,6 +141,27 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     load_weights(model, tqdm(tensors, total=total, desc="loading weights", unit="tensor",
                              disable=not progress, leave=False), kv_scales.wrap(checkpoint_map_for(cfg)))
     kv_scales.apply(model)
+    model.init_rope(max_positions)
+    return _finalize(model).eval()
+
+
+def _load_parallel(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                   max_positions: int, progress: bool, parallel) -> CausalLM:
+    """A tensor-parallel rank's model: dense HF checkpoints (or random presets) only, for now."""
+    from lamina.models.hf_loader import iter_safetensors
+    from lamina.models.registry import checkpoint_map_for
+    from lamina.parallel.tp_plan import check_tp_config, shard_heads, tp_format_choice
+
+    check_tp_config(cfg, parallel.world)
+    if source.kind == "gguf":
+        raise ValueError("tensor parallelism does not split GGUF checkpoints yet")
+    model = build_model(cfg, dtype, device, tp_format_choice(parallel, cfg))
+    shard_heads(model, parallel)
+    if source.kind == "random":
+        _random_weights(model)
+    else:
+        load_weights(model, tqdm(iter_safetensors(source.path), desc="loading weights", unit="tensor",
+                                 disable=not progress, leave=False), checkpoint_map_for(cfg))
     model.init_rope(max_positions)
     return _finalize(model).eval()
 

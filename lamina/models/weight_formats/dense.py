@@ -35,17 +35,25 @@ class DenseFormat(WeightFormat):
 
     Needs the layer's `in_features` and `out_shards` (full sizes, set by the layer before create_params)."""
 
-    def __init__(self, partition: Partition | None = None) -> None:
+    def __init__(self, partition: Partition | None = None,
+                 shard_partitions: Mapping[str, Partition] | None = None) -> None:
         self.partition = partition
+        # Fused parts split differently from the rest (KV heads replicated when fewer than ranks: k and v
+        # split into num_kv_heads pieces, q into world).
+        self.shard_partitions = dict(shard_partitions or {})
         # Row-parallel outputs are partial sums that get all-reduced: rank 0 alone adds the bias.
         self._skip_bias = partition is not None and partition.dim == 1 and partition.rank != 0
 
     def __repr__(self) -> str:
-        return f"DenseFormat(partition={self.partition})"
+        extra = f", shard_partitions={self.shard_partitions}" if self.shard_partitions else ""
+        return f"{type(self).__name__}(partition={self.partition}{extra})"
 
     # -- shapes -----------------------------------------------------------------------------------------
-    def _local_out(self, size: int) -> int:
-        p = self.partition
+    def _part(self, shard: str | None) -> Partition | None:
+        return self.shard_partitions.get(shard or "", self.partition)
+
+    def _local_out(self, size: int, shard: str = "") -> int:
+        p = self._part(shard)
         return p.local(size) if p is not None and p.dim == 0 else size
 
     def _local_in(self, size: int) -> int:
@@ -56,7 +64,7 @@ class DenseFormat(WeightFormat):
         """The local rows of fused part `shard`."""
         start = 0
         for name, size in layer.out_shards.items():
-            n = self._local_out(size)
+            n = self._local_out(size, name)
             if name == shard:
                 return slice(start, start + n)
             start += n
@@ -66,7 +74,7 @@ class DenseFormat(WeightFormat):
 
     def create_params(self, layer: nn.Module, in_features: int, out_shards: Mapping[str, int], bias: bool,
                       dtype: torch.dtype) -> None:
-        out = sum(self._local_out(s) for s in out_shards.values())
+        out = sum(self._local_out(s, n) for n, s in out_shards.items())
         parts = tuple(n for n in out_shards if n)
         register_param(layer, "weight", new_param((out, self._local_in(in_features)), dtype), self._load_weight,
                        parts)
@@ -85,14 +93,14 @@ class DenseFormat(WeightFormat):
         if shard is None:
             full = sum(layer.out_shards.values())
             _check_full(tensor, (full,) if is_bias else (full, layer.in_features), f"the {kind}")
-            if p is not None and p.dim == 0 and len(layer.out_shards) > 1:
+            if (self.shard_partitions or p is not None and p.dim == 0) and len(layer.out_shards) > 1:
                 # A whole fused tensor under a column split: each part is split on its own.
                 for name, part in zip(layer.out_shards, tensor.split(list(layer.out_shards.values()))):
                     self._load(layer, param, part, name, None, is_bias)
                 return
             target, what = param, f"the {kind}"
         else:
-            rows = self._rows(layer, shard)
+            rows, p = self._rows(layer, shard), self._part(shard)
             size = layer.out_shards[shard]
             what = f"shard {shard!r} of the {kind}"
             _check_full(tensor, (size,) if is_bias else (size, layer.in_features), what)

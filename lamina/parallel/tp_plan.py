@@ -1,0 +1,107 @@
+"""How a model is split over tensor-parallel ranks: what is supported (checked at start-up, one line when
+not), which weight format each layer gets, and the head counts each rank's attention layers compute.
+
+The split (Megatron-style, one all-reduce per sublayer):
+- attention: query heads split evenly; KV heads split evenly when there are at least as many as ranks, else
+  each rank keeps the one KV head its query heads share (replicated over world / num_kv_heads ranks); qkv_proj
+  column-parallel by part, o_proj row-parallel. Each rank's KV pool holds only its KV heads (the layer's
+  state_spec declares the local count).
+- dense MLP: gate_up_proj column-parallel by part, down_proj row-parallel.
+- MoE (softmax top-k routing): the router is replicated (every rank routes every token the same way), each
+  routed expert is split along its intermediate dim (TPExperts), a shared expert like a dense MLP (its
+  sigmoid gate replicated); each part all-reduces its partial sum.
+- embedding and lm_head: vocab-parallel (rows split; lm_head's logits all-gathered, tied weights stay tied).
+- norms, RoPE and everything else: replicated.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lamina.models.config import ModelConfig
+from lamina.models.weight_formats import FormatChoice, Partition, WeightFormat
+from lamina.parallel.context import ParallelContext
+from lamina.parallel.tp_formats import ColumnParallel, RowParallel, TPExperts
+
+SUPPORTED_MIXERS = ("attention",)
+SUPPORTED_FFNS = ("dense", "moe")
+_REPLICATED = ("gate", "shared_expert_gate")  # the MoE router and the shared expert's gate
+_COLUMN = ("qkv_proj", "gate_up_proj")
+_ROW = ("o_proj", "down_proj")
+_VOCAB = ("embed_tokens", "lm_head")
+
+
+def check_tp_config(cfg: ModelConfig, world: int) -> None:
+    """Raises ValueError (one line) when `cfg` cannot be split over `world` ranks."""
+    if world == 1:
+        return
+    what = f"--tensor-parallel-size {world}"
+    kinds = sorted({s.mixer for s in cfg.layers if s.mixer not in SUPPORTED_MIXERS} |
+                   {s.ffn for s in cfg.layers if s.ffn not in SUPPORTED_FFNS})
+    if kinds or cfg.single_sublayer:
+        raise ValueError(f"{what}: tensor parallelism does not split {', '.join(kinds) or 'single-sublayer'} "
+                         f"layers yet (family {cfg.family}; supported: attention mixers, dense MLPs, MoE)")
+    if cfg.quantization_config is not None:
+        raise ValueError(f"{what}: tensor parallelism does not split quantized checkpoints yet")
+    if cfg.moe is not None and (cfg.moe.topk_method is not None or cfg.moe.shared_experts_intermediate_size):
+        raise ValueError(f"{what}: tensor parallelism does not split DeepSeek-style MoE layers yet")
+    checks = [("attention heads", cfg.num_heads), ("vocabulary size", cfg.vocab_size),
+              ("intermediate size", cfg.intermediate_size)]
+    if cfg.moe is not None:
+        checks += [("expert intermediate size", cfg.moe.intermediate_size)]
+        if cfg.moe.shared_intermediate_size:
+            checks += [("shared expert intermediate size", cfg.moe.shared_intermediate_size)]
+    for name, n in checks:
+        if n % world:
+            raise ValueError(f"{what}: the model's {name} ({n}) does not divide by {world}")
+    kv = cfg.num_kv_heads
+    if kv % world and world % kv:
+        raise ValueError(f"{what}: the model's {kv} KV heads neither divide by {world} nor divide it "
+                         "(each rank needs whole KV heads)")
+
+
+def check_tp_engine(config: Any, world: int) -> None:
+    """Engine settings tensor parallelism does not combine with yet (one line)."""
+    what = f"--tensor-parallel-size {world}"
+    if config.speculative_config is not None:
+        raise ValueError(f"{what}: speculative decoding with tensor parallelism is not supported yet")
+    if config.quantization is not None:
+        raise ValueError(f"{what}: --quantization with tensor parallelism is not supported yet")
+
+
+def tp_format_choice(ctx: ParallelContext, cfg: ModelConfig) -> FormatChoice:
+    """Each layer's tensor-parallel format, by its role (the layer's attribute name); a layer with weights
+    that has no role here is refused, so nothing is silently left replicated and wrong."""
+    kv = cfg.num_kv_heads
+    # Fewer KV heads than ranks: rank r keeps KV head r * kv // world, the one its query heads use.
+    kv_part = Partition(ctx.rank * kv // ctx.world, kv, 0) if kv < ctx.world else None
+    qkv_parts = {"k": kv_part, "v": kv_part} if kv_part is not None else None
+
+    def choose(name: str, module: nn.Module) -> WeightFormat | TPExperts | None:
+        role = name.rpartition(".")[2]
+        if role == "experts":
+            return TPExperts(ctx)
+        if role in _REPLICATED:
+            return None
+        if role == "qkv_proj":
+            return ColumnParallel(ctx, qkv_parts)
+        if role in _COLUMN:
+            return ColumnParallel(ctx)
+        if role in _ROW:
+            return RowParallel(ctx)
+        if role in _VOCAB:
+            return ColumnParallel(ctx, gather=role == "lm_head")
+        raise ValueError(f"tensor parallelism does not split layer {name} ({type(module).__name__}) yet")
+
+    return choose
+
+
+def shard_heads(model: nn.Module, ctx: ParallelContext) -> None:
+    """Sets each attention layer's local head counts (its forward and its KV state spec use them)."""
+    from lamina.models.layers.attention import Attention
+
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.num_heads //= ctx.world
+            m.num_kv_heads = max(1, m.num_kv_heads // ctx.world)
