@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DENSE, HYBRID = "qwen3-8b", "qwen3-next-80b-a3b-24l"
 K = 3
 # (name, time limit s), in priority order: --budget-s skips what no longer fits
-STAGES = [("check_dense", 45), ("check_hybrid", 55), ("b1_dense", 55), ("b1_hybrid", 60), ("c64_dense", 40),
+STAGES = [("check_dense", 45), ("check_hybrid", 110), ("b1_dense", 55), ("b1_hybrid", 60), ("c64_dense", 40),
           ("c64_hybrid", 50)]
 TARGET_VERIFY = {"dense": 1.15, "hybrid": 1.25}
 
@@ -303,7 +303,8 @@ def main() -> int:
             res = {"error": f"{type(e).__name__}: {e}"}
         (out / f"{args.stage}.json").write_text(json.dumps(res, indent=1, default=str))
         return 0 if "error" not in res else 1
-    env = dict(os.environ, OUT=str(out), PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep carried wheels
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=path)
     start = time.perf_counter()
     results: dict = {"hybrid_layers": args.hybrid_layers}
     for name, limit in STAGES:
