@@ -24,7 +24,7 @@ from lamina.engine.memory import default_num_snapshots, plan_kv_blocks
 from lamina.engine.startup import StartupTimer
 from lamina.kernels.dispatch import triton_available
 from lamina.models.config import ModelConfig
-from lamina.models.loader import load_model, load_tokenizer, read_config, resolve_source
+from lamina.models.loader import engine_tokenizer, load_model, read_config, resolve_source
 
 log = logging.getLogger("lamina")
 
@@ -35,8 +35,7 @@ def load_model_and_tokenizer(config: EngineConfig, dtype: torch.dtype, device: t
     tensor-parallel context (its slice of the model is loaded)."""
     source = resolve_source(config.model)
     model_config, reader = read_config(source)
-    tokenizer = (None if config.skip_tokenizer_init else
-                 load_tokenizer(source) if config.tokenizer is None else _tokenizer_from(config.tokenizer))
+    tokenizer = engine_tokenizer(config, source)
     max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
     model = load_model(source, model_config, reader, dtype, device, max_pos, progress, config.quantization,
                        keep_quantized=not config.dequantize_gguf, parallel=parallel)
@@ -194,8 +193,3 @@ def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: in
     graphs.capture()
     return graphs
 
-
-def _tokenizer_from(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

@@ -48,7 +48,7 @@ def resolve_source(model: str) -> ModelSource:
 
 
 # Files one of which an HF directory needs for AutoTokenizer (a slow-only tokenizer ships the last two).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(source: ModelSource):
@@ -58,10 +58,22 @@ def load_tokenizer(source: ModelSource):
         return None  # token-id prompts only
     if source.kind == "gguf":
         return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    if not any((source.path / f).is_file() for f in TOKENIZER_FILES):  # else transformers' 5-line puzzle
-        raise ValueError(f"{source.path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): pass --tokenizer DIR, "
+    if not any((source.path / f).is_file() for f in TOKENIZER_MARKERS):  # else transformers' 5-line puzzle
+        raise ValueError(f"{source.path} has no tokenizer ({', '.join(TOKENIZER_MARKERS)}): pass --tokenizer DIR, "
                          "or --skip-tokenizer-init to take and return token ids only")
     return AutoTokenizer.from_pretrained(str(source.path))
+
+
+def engine_tokenizer(config, source: ModelSource | None = None):
+    """The tokenizer an engine of `config` (EngineConfig) uses: none with skip_tokenizer_init or for random:
+    models, config.tokenizer's directory when given, else the model's own (source: the resolved model)."""
+    if config.skip_tokenizer_init:
+        return None
+    if config.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.tokenizer)
+    return load_tokenizer(source or resolve_source(config.model))
 
 
 def read_config(source: ModelSource) -> tuple[ModelConfig, Any]:

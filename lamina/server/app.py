@@ -76,15 +76,9 @@ def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key
 
 def load_engine_tokenizer(config: EngineConfig):
     """The tokenizer the engine of `config` uses, loaded in this process (None for `random:` models)."""
-    from lamina.models.loader import load_tokenizer, resolve_source
+    from lamina.models.loader import engine_tokenizer
 
-    if config.skip_tokenizer_init:
-        return None
-    if config.tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(config.tokenizer)
-    return load_tokenizer(resolve_source(config.model))
+    return engine_tokenizer(config)
 
 
 class _ErrorCounter:
