@@ -173,6 +173,10 @@ class CoreClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is in flight here (added and not finished)."""
+        return request_id in self._streams
+
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 

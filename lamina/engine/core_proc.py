@@ -149,8 +149,11 @@ def core_info(engine, startup_seconds: float) -> CoreInfo:
                     engine.stats().num_total_blocks, os.getpid(), startup_seconds)
 
 
-def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level: int) -> None:
-    """Entry point of the core process: load the engine, say Ready (or why not), serve until told to stop."""
+def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level: int,
+              env: dict[str, str] | None = None) -> None:
+    """Entry point of the core process: load the engine, say Ready (or why not), serve until told to stop.
+    `env`: variables set before anything starts CUDA (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
+    os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -173,6 +176,10 @@ def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level
 
     t0 = time.monotonic()
     try:
+        if env:
+            from lamina.engine.dp_client import check_replica_gpus
+
+            check_replica_gpus(config)
         engine = LLMEngine(config, progress=False)
     except BaseException as e:  # the server reports it and exits; no traceback for a config error
         log.debug("engine core start-up failed", exc_info=True)
@@ -208,15 +215,16 @@ def core_main(config: EngineConfig, addrs: Addresses, parent_pid: int, log_level
 class CoreProcess:
     """The server's handle on a spawned core process."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, env: dict[str, str] | None = None) -> None:
         self.config = config
+        self.env = env or {}
         self.proc: multiprocessing.process.BaseProcess | None = None
 
     def start(self, addrs: Addresses) -> None:
         mp = multiprocessing.get_context("spawn")
         level = logging.getLogger("lamina").getEffectiveLevel()  # the CLI sets lamina's own level
         # daemon: if the server exits without stopping the core, multiprocessing's exit hook still ends it.
-        self.proc = mp.Process(target=core_main, args=(self.config, addrs, os.getpid(), level),
+        self.proc = mp.Process(target=core_main, args=(self.config, addrs, os.getpid(), level, self.env),
                                name="lamina-core", daemon=True)
         self.proc.start()
 

@@ -45,15 +45,23 @@ class ServerOptions:
 
 
 def make_state(engine: LLMEngine | EngineConfig, model_names: list[str], api_key: str | None = None,
-               sampling_defaults: dict[str, Any] | None = None, prompt_tokens_details: bool = False) -> ServerState:
+               sampling_defaults: dict[str, Any] | None = None, prompt_tokens_details: bool = False,
+               data_parallel_size: int = 1) -> ServerState:
     """Wraps an engine for serving. An EngineConfig gets an engine core process of its own, started here (it
     loads the model while this process loads the tokenizer; returns once the core is ready): what `lamina
     serve` does. An LLMEngine built in this process is served by a core thread that starts with the app
     (lifespan): for tests, which reach inside it. sampling_defaults: the model's generation-config defaults
-    for fields a request leaves unset."""
+    for fields a request leaves unset. data_parallel_size N > 1 (an EngineConfig only): N core processes behind
+    one client (engine/dp_client.py)."""
     metrics = ServerMetrics(model_names[0])
     if isinstance(engine, EngineConfig):
-        client = AsyncEngine.spawn(engine, observer=metrics, wait=False)
+        if data_parallel_size > 1:
+            from lamina.engine.dp_client import DPClient
+
+            client = DPClient.spawn(engine, data_parallel_size, observer=metrics, registry=metrics.registry,
+                                    model_name=model_names[0], wait=False)
+        else:
+            client = AsyncEngine.spawn(engine, observer=metrics, wait=False)
         try:
             tokenizer = load_engine_tokenizer(engine)
             client.set_tokenizer(tokenizer)  # outputs are decoded on the client's side (a copy of its own)

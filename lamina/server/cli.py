@@ -14,6 +14,7 @@ from lamina.args import (
     nonnegative_int,
     port_number,
     positive_float,
+    positive_int,
 )
 
 log = logging.getLogger("lamina.server")
@@ -32,6 +33,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are "
                         "aborted (default: 30)")
+    p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                   help="run this many engine cores (replicas, each of --tensor-parallel-size GPUs) behind this "
+                        "one server; requests are routed by prompt prefix and load (default: 1)")
     add_generation_config_arg(p)
     p.add_argument("--max-request-body-mb", type=positive_float, default=4.0,
                    help="larger request bodies get a 413")
@@ -99,7 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         state = make_state(EngineConfig(**engine_kwargs(args)), names, args.api_key, defaults,
-                           prompt_tokens_details=args.enable_prompt_tokens_details)
+                           prompt_tokens_details=args.enable_prompt_tokens_details,
+                           data_parallel_size=args.data_parallel_size)
     except (RuntimeError, ValueError) as e:
         log.error("lamina serve: %s", e)
         return 1
@@ -120,6 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  time.monotonic() - t0, info.pid, info.startup_seconds)
         log.info("lamina serving %s as %s on http://%s:%d (max_model_len %d, %d KV blocks)", args.model,
                  names[0], args.host, sock.getsockname()[1], info.max_model_len, info.num_total_blocks)
+        for i, pid in enumerate(getattr(state.engine, "pids", [])):
+            log.info("data-parallel replica %d: engine core pid %d", i, pid)
 
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=30,
                             http=head_timeout_protocol(args.http, args.header_timeout))
