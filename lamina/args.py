@@ -122,6 +122,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="split the model over this many processes, one per GPU (dense attention + MLP "
                         "families; default: 1)")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="how tensor-parallel workers start: mp (processes on this host) or ray (actors of the Ray "
+                        "cluster this host joined with `ray start`, across nodes; needs the ray extra) "
+                        "(default: mp)")
     p.set_defaults(loads_model=True)
 
 
@@ -144,7 +148,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_config=getattr(args, "speculative_config", None),
                 dequantize_gguf=getattr(args, "dequantize_gguf", False), tokenizer=getattr(args, "tokenizer", None),
                 skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"))
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

@@ -45,6 +45,9 @@ class EngineConfig:
     # Tensor parallelism: the model split over this many processes (one per GPU; lamina/parallel/). 1: one
     # process, no collectives.
     tensor_parallel_size: int = 1
+    # How the tensor-parallel workers start: "mp" (torch.multiprocessing on this host) or "ray" (actors of a
+    # Ray cluster, possibly on other nodes; lamina/parallel/ray_workers.py).
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -60,5 +63,8 @@ class EngineConfig:
             raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, fp8")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"unsupported distributed_executor_backend {self.distributed_executor_backend!r}; "
+                             "supported: mp, ray")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -90,12 +90,14 @@ class ParallelContext:
         return int(t.item())
 
 
-def connect(rank: int, world: int, port: int, device: torch.device, timeout: datetime.timedelta) -> ParallelContext:
-    """Joins the tensor-parallel group whose rank 0 listens on 127.0.0.1:`port` (rank 0 hosts the store):
-    gloo on the CPU, NCCL on CUDA. Blocks until every rank has joined (or `timeout`)."""
+def connect(rank: int, world: int, port: int, device: torch.device, timeout: datetime.timedelta,
+            host: str = "127.0.0.1") -> ParallelContext:
+    """Joins the tensor-parallel group whose rank 0 listens on `host`:`port` (rank 0 hosts the store; another
+    node's workers get its address, parallel/ray_workers.py): gloo on the CPU, NCCL on CUDA. Blocks until
+    every rank has joined (or `timeout`)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)
     if device.type == "cuda":
         group = dist.ProcessGroupNCCL(store, rank, world)
     else:

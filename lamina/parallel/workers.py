@@ -153,13 +153,21 @@ def start_tensor_parallel(config: Any, device: torch.device) -> TPGroup | None:
     from lamina.parallel.tp_plan import check_tp_config, check_tp_engine
 
     check_tp_engine(config, world)
-    check_devices(device, world)
+    on_ray = getattr(config, "distributed_executor_backend", "mp") == "ray"
+    if not on_ray:  # Ray places the ranks on the cluster's GPUs, not this host's alone
+        check_devices(device, world)
     check_tp_config(read_config(resolve_source(config.model))[0], world)
+    if on_ray:
+        from lamina.parallel.ray_workers import RayTPGroup
+
+        return RayTPGroup(config, device)
     return TPGroup(config, device)
 
 
-def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level: int) -> None:
-    """A worker's whole life: join the group, build its slice of the model and pools, run the steps."""
+def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level: int, host: str = "127.0.0.1",
+                device_index: int | None = None) -> None:
+    """A worker's whole life: join the group, build its slice of the model and pools, run the steps.
+    host: rank 0's address; device_index: its GPU when not cuda:rank (a Ray actor's assigned one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when the workers stop
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lamina").setLevel(log_level)
@@ -169,10 +177,10 @@ def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level
     from lamina.models.loader import load_model, read_config, resolve_source
 
     try:
-        device = rank_device(resolve_device(config.device), rank)
+        device = rank_device(resolve_device(config.device), rank if device_index is None else device_index)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        ctx = connect(rank, world, port, device, COLLECTIVE_TIMEOUT)
+        ctx = connect(rank, world, port, device, COLLECTIVE_TIMEOUT, host)
         dtype = resolve_dtype(config.dtype, device)
         source = resolve_source(config.model)  # no tokenizer: a worker only runs forwards
         model_config, reader = read_config(source)
