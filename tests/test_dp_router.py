@@ -95,3 +95,25 @@ def test_a_replica_failing_to_start_fails_all_with_one_line():
     with pytest.raises(RuntimeError, match=r"^data-parallel replica 1: out of memory$"):
         DPClient(clients, 16).start()
     assert all(c.started and c.stopped for c in clients)
+
+
+def test_cli_flags():
+    from lamina.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "m", "-dp", "2", "-tp", "2", "--distributed-executor-backend", "ray"])
+    assert args.data_parallel_size == 2
+    from lamina.args import engine_kwargs
+
+    assert engine_kwargs(args)["distributed_executor_backend"] == "ray"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--data-parallel-size", "0"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--distributed-executor-backend", "slurm"])
+
+
+def test_a_device_index_is_refused_before_anything_starts():
+    from lamina.config import EngineConfig
+    from lamina.engine.dp_client import DPClient
+
+    with pytest.raises(ValueError, match="not cuda:1"):
+        DPClient.spawn(EngineConfig(model="random:tiny-llama", device="cuda:1"), 2)

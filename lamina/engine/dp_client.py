@@ -163,6 +163,9 @@ class DPClient:
               registry=None, model_name: str = "", wait: bool = True) -> DPClient:
         """Starts `num_replicas` core processes at once (each loading its model); with `wait`, returns once
         all are ready (else call wait_ready)."""
+        if ":" in config.device:
+            raise ValueError(f"--data-parallel-size places replica i on GPUs i*tp .. i*tp+tp-1; give --device "
+                             f"cuda or auto, not {config.device}")
         stats = ReplicaStats(num_replicas, observer, registry, model_name)
         on_cuda = config.device != "cpu"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -41,6 +43,17 @@ def _import_ray():
     except ImportError:
         raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'lamina[ray]'") from None
     return ray
+
+
+def _init_keeping_signals(ray, **kwargs) -> None:
+    """ray.init, then this process's SIGINT/SIGTERM handlers as they were: Ray installs its own (exit on
+    SIGTERM), but the server's engine core must ignore both (its server decides when it stops)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    ray.init(**kwargs)
+    for sig, handler in previous.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 class _ErrorLine:
@@ -85,7 +98,7 @@ class RayTPGroup:
         on_cuda = device.type == "cuda"
         env = {"env_vars": dict(_NOSET)} if on_cuda else None
         if not ray.is_initialized():
-            ray.init(runtime_env=env, logging_level=logging.WARNING)
+            _init_keeping_signals(ray, runtime_env=env, logging_level=logging.WARNING)
         unit = {"CPU": 1.0, "GPU": 1.0} if on_cuda else {"CPU": 1.0}
         host = ray.util.get_node_ip_address()
         bundles = [{**unit, f"node:{host}": 0.001}] + [dict(unit) for _ in range(self.world - 1)]
