@@ -70,6 +70,22 @@ def test_dead_actor_fails_the_stream(cluster, tmp_path_factory, smol_tokenizer, 
         llm.engine.close()
 
 
+def test_actor_failing_before_the_rendezvous_fails_the_start(cluster):
+    """A rank that cannot start (here: a device its node cannot make) fails the start at once, with its
+    reason, instead of rank 0 waiting for the store's timeout; its bundles are given back."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lamina.parallel.context import ParallelFailure
+    from lamina.parallel.ray_workers import RayTPGroup
+
+    t0 = time.monotonic()
+    with pytest.raises(ParallelFailure, match="worker 1 .*before joining"):
+        RayTPGroup(SimpleNamespace(tensor_parallel_size=2, device="bogus"), torch.device("cpu"))
+    assert time.monotonic() - t0 < 60
+
+
 def test_backend_is_checked():
     from lamina.config import EngineConfig
 

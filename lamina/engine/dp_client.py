@@ -131,9 +131,10 @@ class ReplicaStats:
             if by_prefix:
                 self.prefix_routed.labels(self._model, str(index)).inc()
 
-    def set_up(self, index: int, up: bool) -> None:
+    def watch(self, index: int, client: CoreClient) -> None:
+        """dp_replica_up reads the replica's state whenever /metrics is rendered."""
         if self.up is not None:
-            self.up.labels(self._model, str(index)).set(1 if up else 0)
+            self.up.labels(self._model, str(index)).set_function(lambda: 1.0 if client.is_running else 0.0)
 
 
 class _Backends:
@@ -156,7 +157,9 @@ class DPClient:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the router and the owner map (callers on any thread)
         self._owner: dict[str, int] = {}
-        self._reported_dead: set[int] = set()
+        if stats is not None:
+            for i, c in enumerate(clients):
+                stats.watch(i, c)
 
     @classmethod
     def spawn(cls, config: EngineConfig, num_replicas: int, observer: EngineObserver | None = None,
@@ -197,9 +200,6 @@ class DPClient:
             except RuntimeError as e:
                 self.shutdown(timeout=5)
                 raise RuntimeError(f"data-parallel replica {i}: {e}") from None
-        for i in range(len(self.clients)):
-            if self.stats is not None:
-                self.stats.set_up(i, True)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops every replica (in parallel: each waits for its own core's Stopped)."""
@@ -225,13 +225,7 @@ class DPClient:
     @property
     def is_running(self) -> bool:
         """False once any replica is gone: the server reports unhealthy (the others still serve)."""
-        alive = [c.is_running for c in self.clients]
-        for i, ok in enumerate(alive):
-            if not ok and i not in self._reported_dead and self.clients[i].info is not None:
-                self._reported_dead.add(i)
-                if self.stats is not None:
-                    self.stats.set_up(i, False)
-        return all(alive)
+        return all(c.is_running for c in self.clients)
 
     @property
     def num_in_flight(self) -> int:

@@ -89,7 +89,6 @@ class RayTPGroup:
     def __init__(self, config: Any, device: torch.device) -> None:
         ray = _import_ray()
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.world = config.tensor_parallel_size
         self.device = device
@@ -109,6 +108,19 @@ class RayTPGroup:
             ray.util.remove_placement_group(self.pg)
             raise ValueError(f"the Ray cluster has no room for {self.world} bundles of {unit} (one per "
                              f"tensor-parallel rank; cluster: {ray.cluster_resources()})") from None
+        self.actors: list[Any] = []
+        self.holder = None
+        try:
+            self._start(config, device, host, unit, env)
+        except BaseException:
+            self._release()
+            raise
+
+    def _start(self, config: Any, device: torch.device, host: str, unit: dict, env: dict | None) -> None:
+        ray = self._ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        on_cuda = "GPU" in unit
         actor_cls = ray.remote(RankActor)
 
         def place(index: int):
@@ -125,11 +137,39 @@ class RayTPGroup:
         level = logging.getLogger("lamina").level
         self.runs = [a.run.remote(r, self.world, host, port, config, level, on_cuda)
                      for r, a in enumerate(self.actors, start=1)]
+        self.ctx = self._join(port, device, host)
+
+    def _join(self, port: int, device: torch.device, host: str):
+        """Rank 0's connect, watching the actors meanwhile: one that ends before joining (lamina missing on
+        its node, a bad setting) fails the start with its reason instead of a wait for the store's timeout."""
+        got: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                got["ctx"] = connect(0, self.world, port, device, COLLECTIVE_TIMEOUT, host)
+            except BaseException as e:  # handed to the caller's thread
+                got["error"] = e
+
+        thread = threading.Thread(target=join, name="lamina-ray-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            ended = self._ended(0) if thread.is_alive() else []
+            if ended:
+                raise ParallelFailure(f"tensor-parallel worker {ended[0]} (Ray actor) ended before joining the "
+                                      f"group: {self._reason(ended[0])}")
+        if "error" in got:
+            raise got["error"]
+        return got["ctx"]
+
+    def _reason(self, rank: int) -> str:
+        """The last line of what ended rank's actor call."""
         try:
-            self.ctx = connect(0, self.world, port, device, COLLECTIVE_TIMEOUT, host)
-        except BaseException:
-            self._release()
-            raise
+            self._ray.get(self.runs[rank - 1], timeout=5)
+        except Exception as e:  # RayTaskError (the traceback's text) or RayActorError (its process died)
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            return lines[-1].strip() if lines else type(e).__name__
+        return "it returned"
 
     def _ended(self, timeout: float) -> list[int]:
         """Ranks whose actor call has ended (the actor's process exited or died)."""
@@ -141,12 +181,7 @@ class RayTPGroup:
         if self.failure is None:
             ended = self._ended(0)
             if ended:
-                rank = ended[0]
-                why = "exited"
-                with contextlib.suppress(Exception):
-                    self._ray.get(self.runs[rank - 1], timeout=1)
-                    why = "returned"
-                self.failure = f"tensor-parallel worker {rank} (Ray actor) {why}: its process is gone"
+                self.failure = f"tensor-parallel worker {ended[0]} (Ray actor) exited: {self._reason(ended[0])}"
         if self.failure is not None:
             raise ParallelFailure(self.failure)
 
