@@ -169,6 +169,22 @@ def test_nemotron_h_tp2_matches_tp1(tmp_path_factory, smol_tokenizer):
         two.engine.close()
 
 
+@pytest.mark.parametrize("family", ["bamba", "qwen3_5_moe"])
+def test_more_hybrid_families_tp2(family, tmp_path_factory, smol_tokenizer):
+    """Bamba (Mamba-2 + attention + gated MLPs); Qwen3.5-MoE, whose shared expert folds into the routed ones at
+    TP=1 but stays a column + row-parallel MLP at TP=2."""
+    root = tmp_path_factory.mktemp("tp_hybrid")
+    make = make_mamba2_checkpoint if family == "bamba" else make_hybrid_checkpoint
+    path = make(root / family, family, smol_tokenizer, seed=4)
+    ref = LLM(str(path), **KW).generate(PROMPTS, PARAMS, use_tqdm=False)
+    two = LLM(str(path), tensor_parallel_size=2, **KW)
+    try:
+        _assert_same(ref, two.generate(PROMPTS, PARAMS, use_tqdm=False))
+        assert _all_free(two)
+    finally:
+        two.engine.close()
+
+
 def test_hybrid_refusals():
     """Mamba-2 groups that do not divide by the ranks, and proposers that run forwards of their own."""
     from types import SimpleNamespace
