@@ -12,6 +12,8 @@ The split (Megatron-style, one all-reduce per sublayer):
   sigmoid gate replicated); each part all-reduces its partial sum.
 - embedding and lm_head: vocab-parallel (rows split; lm_head's logits all-gathered, tied weights stay tied).
 - norms, RoPE and everything else: replicated.
+- hybrids' mixers (Gated DeltaNet, Mamba-2; gated attention splits like attention) and Nemotron-H's plain
+  MLP: parallel/tp_hybrid.py.
 """
 from __future__ import annotations
 

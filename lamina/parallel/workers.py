@@ -6,7 +6,8 @@ CPU, NCCL on CUDA; rank r uses cuda:r; context.connect), and every rank goes thr
 the same order: load its slice of the weights, lay out its state, agree on the KV block count (the smallest
 any rank fits), allocate its pools. Then the workers loop: receive a step (lamina/parallel/step_message.py),
 run the forward, repeat until told to stop. Rank 0 alone schedules and samples; its runner sends each step
-before running its own forward. Workers hold no request state at all, so nothing else ever needs sending.
+before running its own forward. Workers hold no request state at all; a hybrid's state-pool copies made by
+rank 0 outside a forward follow each step (parallel/state_ops.py).
 
 Failure: a worker that dies closes its sockets, so rank 0's next collective raises; rank 0 also checks the
 workers' liveness before each step. Either becomes ParallelFailure, which the engine does not retry: the step's
