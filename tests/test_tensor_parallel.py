@@ -161,9 +161,9 @@ def test_bad_sizes_refused_at_start(checkpoints):
 
 
 def test_unsupported_settings_refused(checkpoints):
-    with pytest.raises(ValueError, match="speculative decoding"):
+    with pytest.raises(ValueError, match="speculative decoding method 'self_spec'"):  # ngram is supported
         LLM(str(checkpoints["llama"]), tensor_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **KW)
+            speculative_config={"method": "self_spec", "num_speculative_tokens": 2}, **KW)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(model="x", tensor_parallel_size=0)
 
@@ -182,8 +182,8 @@ def test_unsupported_layer_kinds_refused():
     from lamina.models.config import LayerSpec, ModelConfig
     from lamina.parallel.tp_plan import check_tp_config
 
-    cfg = ModelConfig("qwen3_next", 64, 16, 32, 4, 2, 4, [LayerSpec("gated_delta_net", "moe")])
-    with pytest.raises(ValueError, match="does not split gated_delta_net layers yet"):
+    cfg = ModelConfig("nemotron_h", 64, 16, 32, 4, 2, 4, [LayerSpec("attention", "relu2_moe")])
+    with pytest.raises(ValueError, match="does not split relu2_moe layers yet"):
         check_tp_config(cfg, 2)
     cfg = ModelConfig("llama", 64, 16, 32, 6, 3, 4, [LayerSpec()])
     with pytest.raises(ValueError, match="3 KV heads neither divide by 2 nor divide it"):

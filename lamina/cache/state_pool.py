@@ -14,6 +14,7 @@ the layers (StateLayout.bind_slots).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +35,9 @@ class StatePool:
         self.padding_slot = num_slots  # never leased
         self.allocator = SlotAllocator(num_slots)
         self.views: list[SlotRows] = [s.allocate(num_slots + 1, device) for s in self.specs]
+        # Tensor parallelism: every copy made outside a forward (this one, snapshot saves and restores) is told
+        # to the listener, which replays it on the other ranks (lamina/parallel/state_ops.py). None: one process.
+        self.copy_listener: Callable[[str, int, int], None] | None = None
         # Per-slot state is large for big hybrids (Qwen3-Next-80B: ~77 MB), so max_num_seqs sets real memory.
         log.info("state pool: %d slots x %d layers = %.2f GiB", num_slots + 1, len(self.specs),
                  (num_slots + 1) * self.bytes_per_slot(self.specs) / 2**30)
@@ -56,3 +60,10 @@ class StatePool:
         for speculative decoding: each candidate leases its own slot)."""
         for v in self.views:
             v.copy_row(dst, v, src)
+        self.notify_copy("slot", src, dst)
+
+    def notify_copy(self, kind: str, src: int, dst: int) -> None:
+        """kind: "slot" (slot src -> slot dst), "save" (slot src -> snapshot dst), "restore" (snapshot src ->
+        slot dst)."""
+        if self.copy_listener is not None:
+            self.copy_listener(kind, src, dst)

@@ -104,6 +104,7 @@ class StateSnapshots:
         snap = self._free.pop() if self._free else self._victim(kv_cached)
         for live, saved in zip(self.pool.views, self.views):
             saved.copy_row(snap, live, slot)
+        self.pool.notify_copy("save", slot, snap)
         self._by_hash[chain_hash], self._hash_of[snap], self._pos[snap] = snap, chain_hash, p
         self._tick(snap)
         self.saves += 1
@@ -112,6 +113,7 @@ class StateSnapshots:
         """Copies snapshot `snap` into the leased `slot`, before the step that continues from it."""
         for live, saved in zip(self.pool.views, self.views):
             live.copy_row(slot, saved, snap)
+        self.pool.notify_copy("restore", snap, slot)
         self._tick(snap)
         self.hits += 1
 

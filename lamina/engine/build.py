@@ -66,14 +66,17 @@ def build_state_pool(layout: StateLayout, config: EngineConfig, device: torch.de
 
 
 def build_snapshots(layout: StateLayout, pool: StatePool | None, config: EngineConfig,
-                    device: torch.device) -> StateSnapshots | None:
-    """Recurrent-state snapshots for prefix caching of a hybrid model (None otherwise)."""
+                    device: torch.device, parallel=None) -> StateSnapshots | None:
+    """Recurrent-state snapshots for prefix caching of a hybrid model (None otherwise). Tensor-parallel ranks
+    use rank 0's snapshot rows, so every rank takes the smallest count any of them would."""
     if not config.enable_prefix_caching or pool is None:
         return None
     n = config.num_state_snapshots
     if n is None:
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         n = default_num_snapshots(config.max_num_seqs, layout.bytes_per_slot(), total)
+        if parallel is not None:
+            n = parallel.min_int(n, device)
     return StateSnapshots(pool, n, config.state_snapshot_interval, config.block_size)
 
 
@@ -147,7 +150,7 @@ def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: Mode
     layout = StateLayout.collect(list(model.state_layers()) + list(extra_kv_layers or []), dtype,
                                  kv_storage_dtype(config))
     state_pool = build_state_pool(layout, config, device)
-    snapshots = build_snapshots(layout, state_pool, config, device)
+    snapshots = build_snapshots(layout, state_pool, config, device, parallel)
     peak = step_peak_bytes(model, layout, config, device)
     if timer is not None and peak:
         timer.phase("profiling")

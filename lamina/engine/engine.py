@@ -92,6 +92,8 @@ class LLMEngine(StepReadback):
         self.runner = ModelRunner(self.model, bs, self.device)
         if self.tp is not None:  # every step's inputs go to the workers first; no CUDA graphs yet (eager)
             self.runner.step_sink = self.tp.send_step
+            if self.state_pool is not None:  # and the state pool's copies outside a forward follow them
+                self.tp.attach_state(self.state_pool)
         else:
             self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
         if self.runner.graphs is not None:

@@ -27,9 +27,7 @@ STEP, STOP = 1, 2
 
 def send_step(ctx: ParallelContext, batch) -> None:
     """Broadcasts `batch`'s (a runner ForwardBatch) model inputs from rank 0."""
-    a = batch.ctx.attn
-    if batch.ctx.state is not None:
-        raise NotImplementedError("tensor parallelism does not carry recurrent-state metadata yet")
+    a = batch.ctx.attn  # recurrent-state metadata follows in a message of its own (parallel/state_ops.py)
     b, w = a.block_tables.shape
     dev = batch.input_ids.device
     header = torch.tensor([STEP, batch.input_ids.shape[0], batch.logits_indices.shape[0], b, w,

@@ -12,6 +12,8 @@ The split (Megatron-style, one all-reduce per sublayer):
   sigmoid gate replicated); each part all-reduces its partial sum.
 - embedding and lm_head: vocab-parallel (rows split; lm_head's logits all-gathered, tied weights stay tied).
 - norms, RoPE and everything else: replicated.
+- hybrids' mixers (Gated DeltaNet, Mamba-2; gated attention splits like attention) and Nemotron-H's plain
+  MLP: parallel/tp_hybrid.py.
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ from lamina.models.config import ModelConfig
 from lamina.models.weight_formats import FormatChoice, Partition, WeightFormat
 from lamina.parallel.context import ParallelContext
 from lamina.parallel.tp_formats import ColumnParallel, RowParallel, TPExperts
+from lamina.parallel.tp_hybrid import HYBRID_FFNS, HYBRID_MIXERS, check_hybrid_config, hybrid_format
 
-SUPPORTED_MIXERS = ("attention",)
-SUPPORTED_FFNS = ("dense", "moe")
+SUPPORTED_MIXERS = ("attention", *HYBRID_MIXERS)  # hybrids' mixers: parallel/tp_hybrid.py
+SUPPORTED_FFNS = ("dense", "moe", *HYBRID_FFNS)
+_SINGLE_SUBLAYER = ("none",)  # a single-sublayer model's empty halves (Nemotron-H)
 _REPLICATED = ("gate", "shared_expert_gate")  # the MoE router and the shared expert's gate
 _COLUMN = ("qkv_proj", "gate_up_proj")
 _ROW = ("o_proj", "down_proj")
@@ -37,17 +41,19 @@ def check_tp_config(cfg: ModelConfig, world: int) -> None:
     if world == 1:
         return
     what = f"--tensor-parallel-size {world}"
-    kinds = sorted({s.mixer for s in cfg.layers if s.mixer not in SUPPORTED_MIXERS} |
-                   {s.ffn for s in cfg.layers if s.ffn not in SUPPORTED_FFNS})
-    if kinds or cfg.single_sublayer:
-        raise ValueError(f"{what}: tensor parallelism does not split {', '.join(kinds) or 'single-sublayer'} "
-                         f"layers yet (family {cfg.family}; supported: attention mixers, dense MLPs, MoE)")
+    empty = _SINGLE_SUBLAYER if cfg.single_sublayer else ()
+    kinds = sorted({s.mixer for s in cfg.layers if s.mixer not in SUPPORTED_MIXERS + empty} |
+                   {s.ffn for s in cfg.layers if s.ffn not in SUPPORTED_FFNS + empty})
+    if kinds:
+        raise ValueError(f"{what}: tensor parallelism does not split {', '.join(kinds)} layers yet (family "
+                         f"{cfg.family}; supported: attention, gated attention, Gated DeltaNet and Mamba-2 mixers, "
+                         "dense and plain MLPs, MoE)")
     if cfg.quantization_config is not None:
         raise ValueError(f"{what}: tensor parallelism does not split quantized checkpoints yet")
     if cfg.moe is not None and (cfg.moe.topk_method is not None or cfg.moe.shared_experts_intermediate_size):
         raise ValueError(f"{what}: tensor parallelism does not split DeepSeek-style MoE layers yet")
     checks = [("attention heads", cfg.num_heads), ("vocabulary size", cfg.vocab_size),
-              ("intermediate size", cfg.intermediate_size)]
+              ("intermediate size", cfg.intermediate_size), *check_hybrid_config(cfg, world)]
     if cfg.moe is not None:
         checks += [("expert intermediate size", cfg.moe.intermediate_size)]
         if cfg.moe.shared_intermediate_size:
@@ -64,8 +70,10 @@ def check_tp_config(cfg: ModelConfig, world: int) -> None:
 def check_tp_engine(config: Any, world: int) -> None:
     """Engine settings tensor parallelism does not combine with yet (one line)."""
     what = f"--tensor-parallel-size {world}"
-    if config.speculative_config is not None:
-        raise ValueError(f"{what}: speculative decoding with tensor parallelism is not supported yet")
+    spec = config.speculative_config
+    if spec is not None and spec.method not in ("ngram", "replay"):  # proposers that run no forward of their own
+        raise ValueError(f"{what}: speculative decoding method {spec.method!r} with tensor parallelism is not "
+                         "supported yet (ngram is)")
     if config.quantization is not None:
         raise ValueError(f"{what}: --quantization with tensor parallelism is not supported yet")
 
@@ -80,6 +88,9 @@ def tp_format_choice(ctx: ParallelContext, cfg: ModelConfig) -> FormatChoice:
 
     def choose(name: str, module: nn.Module) -> WeightFormat | TPExperts | None:
         role = name.rpartition(".")[2]
+        hybrid = hybrid_format(ctx, cfg, name)
+        if hybrid is not None:
+            return hybrid
         if role == "experts":
             return TPExperts(ctx)
         if role in _REPLICATED:
@@ -98,10 +109,14 @@ def tp_format_choice(ctx: ParallelContext, cfg: ModelConfig) -> FormatChoice:
 
 
 def shard_heads(model: nn.Module, ctx: ParallelContext) -> None:
-    """Sets each attention layer's local head counts (its forward and its KV state spec use them)."""
+    """Sets each attention layer's local head counts (its forward and its KV state spec use them), and the
+    hybrid mixers' local sizes and slices (parallel/tp_hybrid.py)."""
     from lamina.models.layers.attention import Attention
+    from lamina.models.layers.gated_attention import GatedAttention
+    from lamina.parallel.tp_hybrid import shard_state_mixers
 
     for m in model.modules():
-        if isinstance(m, Attention):
+        if isinstance(m, (Attention, GatedAttention)):
             m.num_heads //= ctx.world
             m.num_kv_heads = max(1, m.num_kv_heads // ctx.world)
+    shard_state_mixers(model, ctx)

@@ -6,7 +6,8 @@ CPU, NCCL on CUDA; rank r uses cuda:r; context.connect), and every rank goes thr
 the same order: load its slice of the weights, lay out its state, agree on the KV block count (the smallest
 any rank fits), allocate its pools. Then the workers loop: receive a step (lamina/parallel/step_message.py),
 run the forward, repeat until told to stop. Rank 0 alone schedules and samples; its runner sends each step
-before running its own forward. Workers hold no request state at all, so nothing else ever needs sending.
+before running its own forward. Workers hold no request state at all; a hybrid's state-pool copies made by
+rank 0 outside a forward follow each step (parallel/state_ops.py).
 
 Failure: a worker that dies closes its sockets, so rank 0's next collective raises; rank 0 also checks the
 workers' liveness before each step. Either becomes ParallelFailure, which the engine does not retry: the step's
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from lamina.parallel.context import ParallelFailure, connect
+from lamina.parallel.state_ops import recv_state
 from lamina.parallel.step_message import recv_step, send_step, send_stop
 
 log = logging.getLogger("lamina")
@@ -79,6 +81,7 @@ class TPGroup:
         self.world = config.tensor_parallel_size
         self.device = device
         self.failure: str | None = None
+        self.state_log = None  # a StateOpLog once rank 0's state pool reports to it (attach_state)
         port = _free_port()
         mp = multiprocessing.get_context("spawn")
         self.pipes, self.procs = [], []
@@ -111,9 +114,21 @@ class TPGroup:
         if self.failure is not None:
             raise ParallelFailure(self.failure)
 
+    def attach_state(self, pool) -> None:
+        """A model with a state pool: each step carries its state metadata and rank 0's copies since the last
+        one (parallel/state_ops.py)."""
+        from lamina.parallel.state_ops import StateOpLog, attach
+
+        self.state_log = StateOpLog()
+        attach(pool, self.state_log)
+
     def send_step(self, batch) -> None:
         self.check()
         send_step(self.ctx, batch)
+        if self.state_log is not None:
+            from lamina.parallel.state_ops import send_state
+
+            send_state(self.ctx, batch, self.state_log)
 
     def fail(self, exc: BaseException) -> ParallelFailure:
         """A step failed with `exc` (a ParallelFailure): the group is broken for good. Returns the error to
@@ -186,10 +201,12 @@ def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level
         model_config, reader = read_config(source)
         max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
         model = load_model(source, model_config, reader, dtype, device, max_pos, False, parallel=ctx)
-        build_pools(config, model, model_config, dtype, device, parallel=ctx)
+        pools = build_pools(config, model, model_config, dtype, device, parallel=ctx)
         runner = ModelRunner(model, config.block_size, device)
         with torch.inference_mode():
             while (batch := recv_step(ctx, device, config.block_size, runner._ref_windows)) is not None:
+                if pools.state_pool is not None:  # rank 0 sends its state part (TPGroup.attach_state)
+                    batch = recv_state(ctx, device, batch, pools.state_pool, pools.snapshots)
                 runner.execute(batch)
     except BaseException as e:  # tell rank 0 why (it sees the exit), then go
         log.error("tensor-parallel worker %d failed: %s", rank, e, exc_info=not isinstance(e, ParallelFailure))
