@@ -12,6 +12,8 @@ The split (Megatron-style, one all-reduce per sublayer):
   sigmoid gate replicated); each part all-reduces its partial sum.
 - embedding and lm_head: vocab-parallel (rows split; lm_head's logits all-gathered, tied weights stay tied).
 - norms, RoPE and everything else: replicated.
+- quantized checkpoints (and --quantization): the same split, the storage the checkpoint's config chose
+  (parallel/tp_quant.py: each format cuts its own tensors).
 """
 from __future__ import annotations
 
@@ -42,8 +44,6 @@ def check_tp_config(cfg: ModelConfig, world: int) -> None:
     if kinds or cfg.single_sublayer:
         raise ValueError(f"{what}: tensor parallelism does not split {', '.join(kinds) or 'single-sublayer'} "
                          f"layers yet (family {cfg.family}; supported: attention mixers, dense MLPs, MoE)")
-    if cfg.quantization_config is not None:
-        raise ValueError(f"{what}: tensor parallelism does not split quantized checkpoints yet")
     if cfg.moe is not None and (cfg.moe.topk_method is not None or cfg.moe.shared_experts_intermediate_size):
         raise ValueError(f"{what}: tensor parallelism does not split DeepSeek-style MoE layers yet")
     checks = [("attention heads", cfg.num_heads), ("vocabulary size", cfg.vocab_size),
@@ -66,8 +66,6 @@ def check_tp_engine(config: Any, world: int) -> None:
     what = f"--tensor-parallel-size {world}"
     if config.speculative_config is not None:
         raise ValueError(f"{what}: speculative decoding with tensor parallelism is not supported yet")
-    if config.quantization is not None:
-        raise ValueError(f"{what}: --quantization with tensor parallelism is not supported yet")
 
 
 def tp_format_choice(ctx: ParallelContext, cfg: ModelConfig) -> FormatChoice:

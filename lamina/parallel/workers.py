@@ -177,7 +177,8 @@ def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level
         source = resolve_source(config.model)  # no tokenizer: a worker only runs forwards
         model_config, reader = read_config(source)
         max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
-        model = load_model(source, model_config, reader, dtype, device, max_pos, False, parallel=ctx)
+        model = load_model(source, model_config, reader, dtype, device, max_pos, False, config.quantization,
+                           keep_quantized=not config.dequantize_gguf, parallel=ctx)
         build_pools(config, model, model_config, dtype, device, parallel=ctx)
         runner = ModelRunner(model, config.block_size, device)
         with torch.inference_mode():
