@@ -222,3 +222,46 @@ def test_fp8_kv_cache_with_checkpoint_scales_tp2_matches_tp1(checkpoints, tmp_pa
         assert llm.engine.kv_cache.views[0].k.dtype == torch.float8_e4m3fn
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["groups", "act-order"])
+def test_gptq_experts_pieces_sum_to_the_whole(act_order):
+    """GPTQ expert stacks split along the intermediate dim: the ranks' partial MoE outputs sum to one
+    process's; an act-order down projection (its K is the intermediate dim) is refused in one line."""
+    from int4_checkpoints import gptq_tensors, random_quant
+
+    from lamina.models.layers.moe import FusedExperts
+    from lamina.models.weight_formats.int4_experts import GPTQExperts
+    from lamina.parallel.context import ParallelContext
+
+    e, h, i, group = 2, 64, 64, 32
+    tensors = []
+    for x in range(e):
+        order = {}
+        for shard, (n, k) in (("gate", (i, h)), ("up", (i, h)), (None, (h, i))):
+            q, z, s, g = random_quant(n, k, group, seed=10 * x + len(order), act_order=act_order)
+            g = order.setdefault(k if shard else "down", g)
+            proj = "down_proj" if shard is None else "gate_up_proj"
+            tensors += [(f"{proj}_{name}", t, shard, x) for name, t in gptq_tensors(q, z, s, g).items()]
+
+    def build(fmt):
+        with torch.device("meta"):
+            layer = FusedExperts(e, h, i, fmt=fmt)
+        layer = layer.to_empty(device="cpu")
+        for name, t, shard, x in tensors:
+            layer.weight_loaders[name].loader(layer, getattr(layer, name), t, shard, x)
+        layer.format.finish_loading(layer)
+        return layer
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=gen)
+    want = build(GPTQExperts(4, group))(x, weights, ids)
+    if act_order:
+        with pytest.raises(ValueError, match="act-order .* cannot be split"):
+            build(QuantTPExperts(GPTQExperts(4, group), ParallelContext(0, 2)))
+        return
+    got = sum(layer.format.inner.apply(layer, x, weights, ids) for layer in
+              (build(QuantTPExperts(GPTQExperts(4, group), ParallelContext(r, 2))) for r in range(2)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
