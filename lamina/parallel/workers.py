@@ -163,7 +163,7 @@ def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when the workers stop
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lamina").setLevel(log_level)
-    from lamina.engine.build import build_pools
+    from lamina.engine.build import build_graphs, build_pools
     from lamina.engine.memory import resolve_device, resolve_dtype
     from lamina.engine.runner import ModelRunner
     from lamina.models.loader import load_model, read_config, resolve_source
@@ -179,8 +179,10 @@ def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level
         max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
         model = load_model(source, model_config, reader, dtype, device, max_pos, False, config.quantization,
                            keep_quantized=not config.dequantize_gguf, parallel=ctx)
-        build_pools(config, model, model_config, dtype, device, parallel=ctx)
+        pools = build_pools(config, model, model_config, dtype, device, parallel=ctx)
         runner = ModelRunner(model, config.block_size, device)
+        # The same graphs as rank 0, captured with it (each capture runs the model's collectives).
+        runner.graphs = build_graphs(config, model, pools.max_model_len, pools.state_pool, device, strict=True)
         with torch.inference_mode():
             while (batch := recv_step(ctx, device, config.block_size, runner._ref_windows)) is not None:
                 runner.execute(batch)
