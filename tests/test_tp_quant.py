@@ -12,7 +12,7 @@ import torch
 from fp8_checkpoints import block_quantizer, write_quantized
 from test_tensor_parallel import KW, _assert_same, _pair
 
-from lamina import LLM
+from lamina import LLM, SamplingParams
 from lamina.models.weight_formats.base import Cut
 from lamina.parallel.tp_quant import QuantParallel, QuantTPExperts
 
@@ -265,3 +265,51 @@ def test_gptq_experts_pieces_sum_to_the_whole(act_order):
     got = sum(layer.format.inner.apply(layer, x, weights, ids) for layer in
               (build(QuantTPExperts(GPTQExperts(4, group), ParallelContext(r, 2))) for r in range(2)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_vocab_parallel_embedding_and_tied_lm_head():
+    """A GGUF Q8_0 embedding table split by rows: each rank looks up its rows (zeros elsewhere) and the ranks'
+    sum is the whole table's lookup; a tied lm_head reads the same local rows."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType as T
+    from test_gguf_blocks import _random_blocks
+
+    from lamina.models.layers.linear import Embedding, Linear
+    from lamina.models.weight_formats.gguf_format import GGUFFormat
+
+    vocab, dim = 64, 64
+    raw = torch.from_numpy(_random_blocks(T.Q8_0, vocab, dim, seed=3))
+    ids = torch.tensor([0, 5, 31, 32, 63, 40])
+
+    def table(fmt):
+        with torch.device("meta"):
+            emb = Embedding(vocab, dim, fmt=fmt)
+        emb = emb.to_empty(device="cpu")
+        emb.weight_loaders["weight"].loader(emb, emb.weight, raw, None)
+        return emb
+
+    want = table(GGUFFormat({"": T.Q8_0}))(ids)
+    pieces = []
+    for rank in range(2):
+        ctx = SimpleNamespace(rank=rank, world=2, all_reduce=lambda x: x, gather_last=lambda x: x)
+        emb = table(QuantParallel(GGUFFormat({"": T.Q8_0}), ctx, 0))
+        pieces.append(emb(ids))
+        with torch.device("meta"):
+            head = Linear(dim, vocab, fmt=QuantParallel(GGUFFormat({"": T.Q8_0}), ctx, 0, gather=True))
+        head = head.to_empty(device="cpu")
+        head.tie_to(emb)
+        assert head.weight is emb.weight and head.weight.shape[0] == vocab // 2
+    torch.testing.assert_close(pieces[0] + pieces[1], want, rtol=0, atol=0)
+
+
+def test_random_preset_quantized_online_under_tp():
+    """Benchmark presets draw their weights at each rank's local shape (no cut) and quantize them there."""
+    llm = LLM("random:tiny-llama", tensor_parallel_size=2, quantization="fp8", **KW)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 3
+        assert _formats(llm, QuantParallel)
+    finally:
+        llm.engine.close()

@@ -172,13 +172,15 @@ def _random_weights(model: CausalLM) -> None:
     """Benchmark weights: N(0, 0.02) matrices, unit vectors. Parameters a format stores quantized (FP8 from
     --quantization) get a random dense tensor through their own loader, which quantizes it."""
     from lamina.models.weight_formats import weight_loader
+    from lamina.parallel.tp_quant import local_loader
 
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if p.is_floating_point() and p.element_size() >= 2:
                 p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-            else:
-                weight_loader(module, name)(p, torch.randn(p.shape, device=p.device) * 0.02)
+            else:  # a quantized tensor-parallel layer's loader without its cut (the tensor is drawn local)
+                load = local_loader(module, name) or weight_loader(module, name)
+                load(p, torch.randn(p.shape, device=p.device) * 0.02)
 
 
 def _finalize(model: CausalLM) -> CausalLM:

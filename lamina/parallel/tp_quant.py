@@ -31,6 +31,24 @@ from lamina.parallel.context import ParallelContext
 __all__ = ["Cut", "QuantParallel", "QuantTPExperts", "can_split"]
 
 
+def _wrap_loaders(layer: nn.Module, sliced) -> None:
+    """Puts the cut in front of each of the inner format's loaders; the uncut ones stay reachable through
+    `local_loader` (random benchmark weights are drawn at the local shape)."""
+    specs = layer.__dict__["weight_loaders"]
+    layer.__dict__["tp_local_loaders"] = {name: spec.loader for name, spec in specs.items()}
+    for name, spec in list(specs.items()):
+        specs[name] = ParamSpec(sliced(name, spec.loader), spec.parts)
+
+
+def local_loader(layer: nn.Module, name: str):
+    """The (param, tensor, shard=None, expert=None) loader of `name` that takes a tensor already at this rank's
+    local shape (no cut), or None when the layer is not a quantized tensor-parallel one."""
+    loader = layer.__dict__.get("tp_local_loaders", {}).get(name)
+    if loader is None:
+        return None
+    return lambda param, tensor, shard=None, expert=None: loader(layer, param, tensor, shard, expert)
+
+
 def can_split(fmt: WeightFormat | ExpertFormat) -> bool:
     """Whether `fmt` declares how its tensors slice for tensor parallelism."""
     base = WeightFormat if isinstance(fmt, WeightFormat) else ExpertFormat
@@ -95,9 +113,7 @@ class QuantParallel(WeightFormat):
         except ValueError as e:  # the format's own checks, on this rank's piece: say which layer and split
             raise ValueError(f"--tensor-parallel-size {self.ctx.world}: {self.name} (this rank's piece: "
                              f"{local_in} input features, parts {local}): {e}") from None
-        specs = layer.__dict__["weight_loaders"]
-        for name, spec in list(specs.items()):
-            specs[name] = ParamSpec(self._sliced(name, spec.loader), spec.parts)
+        _wrap_loaders(layer, self._sliced)
 
     def _sliced(self, name: str, loader):
         def load(layer: nn.Module, param: torch.Tensor, tensor: torch.Tensor, shard: str | None = None,
@@ -174,9 +190,7 @@ class QuantTPExperts(ExpertFormat):
         except ValueError as e:
             raise ValueError(f"--tensor-parallel-size {self.ctx.world}: {self.name} (this rank's intermediate "
                              f"size {local} of {intermediate}): {e}") from None
-        specs = layer.__dict__["weight_loaders"]
-        for name, spec in list(specs.items()):
-            specs[name] = ParamSpec(self._sliced(name, spec.loader), spec.parts)
+        _wrap_loaders(layer, self._sliced)
 
     def _sliced(self, name: str, loader):
         down = name.startswith("down_proj")
