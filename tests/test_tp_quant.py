@@ -7,6 +7,8 @@ worker start, so each test builds one and the prompts are those of test_tensor_p
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from fp8_checkpoints import block_quantizer, write_quantized
@@ -91,6 +93,51 @@ def test_gptq_act_order_tp2_matches_tp1(checkpoints, tmp_path_factory):
     split = _run(qdir)
     o_proj = split["model.layers.0.self_attn.o_proj"]
     assert type(o_proj.inner).__name__ == "GPTQFormat" and o_proj.gathers_input
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_packed_tp2_matches_tp1(tmp_path, qtype, monkeypatch):
+    """A llama GGUF kept packed (every projection and the tied embedding in GGUF blocks): rows split whole,
+    K split in whole 32-element blocks; the tied lm_head reads the vocab-parallel packed table. The CPU's
+    packed matmuls take bf16 activations and return bf16 partial sums, which is not the fp32 compute this
+    oracle needs: both runs (and the worker, which inherits the environment) use the fp32 reference."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_checkpoints import write_tiny_llama_gguf
+
+    monkeypatch.setenv("LAMINA_CPU_QUANT_FORMS", "0")
+
+    path = write_tiny_llama_gguf(tmp_path / f"tiny-{qtype}.gguf", T[qtype])
+    split = _run(path, skip_tokenizer_init=True)
+    assert {type(f.inner).__name__ for f in split.values()} == {"GGUFFormat"}
+    assert {"model.embed_tokens", "lm_head", "model.layers.1.mlp.down_proj"} <= set(split)
+
+
+def test_gptq_in_order_splits_k_by_groups(checkpoints, tmp_path, monkeypatch):
+    """GPTQ without act order (g_idx = k // 32): the row-parallel layers cut qweight by K/8 rows and qzeros /
+    scales / g_idx by whole groups (fp32 reference matmuls: see the GGUF test)."""
+    import shutil
+
+    from int4_checkpoints import gptq_tensors
+    from safetensors.torch import load_file, save_file
+    from test_int4_model import GROUP, PROJ, QUANT, rtn
+
+    monkeypatch.setenv("LAMINA_CPU_QUANT_FORMS", "0")
+    src, qdir = checkpoints["llama"], tmp_path / "gptq"
+    shutil.copytree(src, qdir)
+    out = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if name.split(".")[-2] in PROJ:
+            g_idx = (torch.arange(w.shape[1]) // GROUP).int()
+            q, z, s = rtn(w.float(), g_idx)
+            out.update({f"{name.removesuffix('.weight')}.{t}": v for t, v in gptq_tensors(q, z, s, g_idx).items()})
+        else:
+            out[name] = w
+    save_file({k: v.clone().contiguous() for k, v in out.items()}, str(qdir / "model.safetensors"))
+    cfg = json.loads((qdir / "config.json").read_text())
+    (qdir / "config.json").write_text(json.dumps({**cfg, "quantization_config": {**QUANT, "desc_act": False}}))
+    split = _run(qdir)
+    down = split["model.layers.0.mlp.down_proj"]
+    assert type(down.inner).__name__ == "GPTQFormat" and down.partition.dim == 1 and not down.gathers_input
 
 
 def test_misaligned_block_split_is_refused_in_one_line(checkpoints, tmp_path):
