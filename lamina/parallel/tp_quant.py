@@ -28,7 +28,7 @@ from torch import nn
 from lamina.models.weight_formats.base import Cut, ExpertFormat, ParamSpec, Partition, WeightFormat
 from lamina.parallel.context import ParallelContext
 
-__all__ = ["Cut", "QuantParallel", "QuantTPExperts", "can_split"]
+__all__ = ["Cut", "QuantParallel", "QuantTPExperts", "can_split", "local_loader", "quant_tp_choice"]
 
 
 def _wrap_loaders(layer: nn.Module, sliced) -> None:
