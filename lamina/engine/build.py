@@ -190,7 +190,8 @@ def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: in
     spec = config.speculative_config
     width = spec.num_speculative_tokens + 1 if spec is not None and pad is not None and verify_graphs_enabled() else 0
     graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad,
-                             tokens, mixed=mixed, verify_width=width, strict=strict)
+                             tokens, mixed=mixed, verify_width=width)
+    graphs.strict = strict
     graphs.capture()
     return graphs
 
