@@ -171,10 +171,11 @@ def build_pools(config: EngineConfig, model: torch.nn.Module, model_config: Mode
 
 
 def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: int,
-                 state_pool: StatePool | None, device: torch.device):
+                 state_pool: StatePool | None, device: torch.device, strict: bool = False):
     """Captured CUDA graphs (decode steps and mixed prefill+decode steps), or None (CPU,
     enforce_eager, or state layers without the Triton kernels: the torch references build index tensors from
-    host lists, which a graph cannot replay)."""
+    host lists, which a graph cannot replay). strict: a failed capture raises (tensor parallelism: every rank
+    runs this, collectively, and must end with the same graphs)."""
     if device.type != "cuda" or config.enforce_eager or (state_pool is not None and not triton_available()):
         return None
     from lamina.engine.cuda_graph import CudaGraphRunner
@@ -193,6 +194,7 @@ def build_graphs(config: EngineConfig, model: torch.nn.Module, max_model_len: in
     width = spec.num_speculative_tokens + 1 if spec is not None and pad is not None and verify_graphs_enabled() else 0
     graphs = CudaGraphRunner(model, config.max_num_seqs, max_model_len, config.block_size, device, pad,
                              tokens, mixed=mixed, verify_width=width)
+    graphs.strict = strict
     graphs.capture()
     return graphs
 

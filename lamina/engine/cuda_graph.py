@@ -74,15 +74,24 @@ def verify_graphs_enabled() -> bool:
     return os.environ.get("LAMINA_HYBRID_VERIFY_GRAPHS", "1") != "0"
 
 
+def capture_order(keys: list[GraphKey]) -> list[GraphKey]:
+    """Largest first, so smaller graphs reuse the pool's blocks; mixed graphs are the largest. A pure function
+    of the keys: tensor-parallel ranks capture (collectively) in this same order (parallel/tp_graphs.py)."""
+    return sorted(keys, key=lambda k: (k.tokens, not k.decode, k.verify, k.seqs), reverse=True)
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, padding_slot: int | None = None, max_num_batched_tokens: int | None = None,
-                 mixed: bool | None = None, tokens_per_octave: int = 8, verify_width: int = 0) -> None:
+                 mixed: bool | None = None, tokens_per_octave: int = 8, verify_width: int = 0,
+                 strict: bool = False) -> None:
         """max_num_batched_tokens: the largest step; None or mixed=False capture decode graphs only.
         padding_slot: the state pool's padding slot (hybrid models; None without a state pool).
         mixed=None reads mixed_graphs_enabled().
-        verify_width: K + 1 with speculative decoding on a hybrid model (verify graphs), else 0."""
-        self.model, self.device = model, device
+        verify_width: K + 1 with speculative decoding on a hybrid model (verify graphs), else 0.
+        strict: a failed capture raises instead of leaving those steps eager (tensor parallelism: the capture is
+        collective, and one rank must not fall back alone)."""
+        self.model, self.device, self.strict = model, device, strict
         self.padding_slot = padding_slot
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         mixed = mixed_graphs_enabled(padding_slot is not None) if mixed is None else mixed
@@ -148,8 +157,7 @@ class CudaGraphRunner:
         before = torch.cuda.memory_reserved(self.device)
         self._pool = None
         stream = torch.cuda.Stream(self.device)
-        # Largest first, so smaller graphs reuse the pool's blocks; mixed graphs are the largest.
-        for key in sorted(self.keys, key=lambda k: (k.tokens, not k.decode), reverse=True):
+        for key in capture_order(self.keys):
             if key.decode:
                 self._capture(key, stream)
                 continue
@@ -159,6 +167,8 @@ class CudaGraphRunner:
                 try:
                     self._capture(key, stream)
                 except Exception:  # keep serving; hybrid verify steps then run eagerly
+                    if self.strict:
+                        raise
                     log.exception("capturing the verify graph of %d rows failed: verify steps run eagerly", key.tokens)
                     torch.cuda.synchronize(self.device)
                     self.graphs = {k: g for k, g in self.graphs.items() if not k.verify}
@@ -169,6 +179,8 @@ class CudaGraphRunner:
             try:
                 self._capture(key, stream)
             except Exception:  # keep serving with decode graphs; the log says why
+                if self.strict:
+                    raise
                 log.exception("capturing the mixed-step graph of %d tokens failed: mixed steps run eagerly", key.tokens)
                 torch.cuda.synchronize(self.device)
                 self.graphs = {k: g for k, g in self.graphs.items() if k.decode}
@@ -198,9 +210,10 @@ class CudaGraphRunner:
         return self.pick(batch) is not None
 
     @torch.inference_mode()
-    def run(self, batch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in fp32, as the eager forward returns them."""
-        key = self.pick(batch)
+    def run(self, batch, key: GraphKey | None = None) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32, as the eager forward returns them. key: the graph
+        to replay (a tensor-parallel worker replays rank 0's choice); None: pick it here."""
+        key = key or self.pick(batch)
         self.inputs.load(batch, key)
         self.graphs[key].replay()
         return self.logits(batch, self.hidden)

@@ -90,12 +90,13 @@ class LLMEngine(StepReadback):
                                    self.state_pool.allocator if self.state_pool is not None else None,
                                    self.prefix_cache, window, self.window_group)
         self.runner = ModelRunner(self.model, bs, self.device)
-        if self.tp is not None:  # every step's inputs go to the workers first; no CUDA graphs yet (eager)
+        if self.tp is not None:  # every step's inputs (and the graph to replay) go to the workers first
             self.runner.step_sink = self.tp.send_step
             if self.state_pool is not None:  # and the state pool's copies outside a forward follow them
                 self.tp.attach_state(self.state_pool)
-        else:
-            self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device)
+        # Under tensor parallelism every worker captures the same graphs at this point (collectively).
+        self.runner.graphs = build_graphs(config, self.model, self.max_model_len, self.state_pool, self.device,
+                                          strict=self.tp is not None)
         if self.runner.graphs is not None:
             timer.phase("graph capture")
         self.eos_token_ids = self._eos_ids()

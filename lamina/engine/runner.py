@@ -27,6 +27,7 @@ from lamina.engine.staging import StepStaging
 from lamina.kernels.attention import AttentionMetadata, plan_attention
 from lamina.kernels.dispatch import triton_available
 from lamina.kernels.metadata import StateMetadata, StepContext
+from lamina.parallel.tp_graphs import graph_for, graph_slot
 
 # Stands in token_ids for a sampled token not yet read back; never fed to the model (the runner copies the
 # real token on the device) and never hashed (the prefix cache only registers known tokens).
@@ -56,6 +57,9 @@ class ForwardBatch:
     sampled: list[Sequence]  # the sequence of each sampled row
     offsets: list[int]  # each sampled row's place among its sequence's sampled rows
     sampling: SamplingMetadata | None = None  # shipped with the batch when the runner was given a sampler
+    # Tensor parallelism: the CUDA graph rank 0 chose for this step (parallel/tp_graphs.py: 0 eager, i + 1 the
+    # runner's i-th graph key), which every rank replays; None: the runner picks.
+    graph_slot: int | None = None
 
     @property
     def attn(self) -> AttentionMetadata:
@@ -237,8 +241,14 @@ class ModelRunner:
         """Logits [len(logits_indices), vocab] in fp32."""
         if self.step_sink is not None:
             return self._execute_parallel(batch)
-        if self.graphs is not None and self.graphs.can_run(batch):
+        logits = None
+        if batch.graph_slot is not None:  # tensor parallelism: rank 0's choice, replayed by every rank
+            key = graph_for(self.graphs, batch.graph_slot)
+            if key is not None:
+                logits = self.graphs.run(batch, key)
+        elif self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
+        if logits is not None:
             if self.keep_hidden:  # the graph's static buffer: its first rows are this batch's tokens
                 self.last_hidden = self.graphs.hidden[:batch.input_ids.shape[0]]
             return logits
@@ -252,6 +262,7 @@ class ModelRunner:
         here after the workers started theirs leaves them waiting in a collective: fatal for the group."""
         from lamina.parallel.context import ParallelFailure
 
+        batch = dataclasses.replace(batch, graph_slot=graph_slot(self.graphs, batch))  # the workers replay it too
         sink, self.step_sink = self.step_sink, None
         try:
             sink(batch)

@@ -120,8 +120,11 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     gets its rank's tensor-parallel format, which loads only its slice of each checkpoint tensor."""
     from lamina.models.quantization import format_chooser
 
-    if parallel is not None and parallel.is_parallel:
-        return _load_parallel(source, cfg, dtype, device, max_positions, progress, parallel)
+    split = parallel is not None and parallel.is_parallel
+    if split:
+        from lamina.parallel.tp_plan import check_tp_config
+
+        check_tp_config(cfg, parallel.world)
     plan = None
     if source.kind == "gguf" and keep_quantized:
         from lamina.models.gguf_loader import gguf_plan
@@ -131,7 +134,14 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
                              "--dequantize-gguf to quantize its dequantized weights")
         plan = gguf_plan(reader, cfg)
     choose = plan.choose if plan else format_chooser(cfg.quantization_config, cfg, quantization)
+    if split:  # each layer: its rank's slice, in the storage the checkpoint's config chose (tp_quant.py)
+        from lamina.parallel.tp_plan import shard_heads, tp_format_choice
+        from lamina.parallel.tp_quant import quant_tp_choice
+
+        choose = quant_tp_choice(parallel, choose, tp_format_choice(parallel, cfg))
     model = build_model(cfg, dtype, device, choose)
+    if split:
+        shard_heads(model, parallel)
     if source.kind == "random":
         _random_weights(model)
         model.init_rope(max_positions)
@@ -157,39 +167,20 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader: Any, dtype: torch.
     return _finalize(model).eval()
 
 
-def _load_parallel(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   max_positions: int, progress: bool, parallel) -> CausalLM:
-    """A tensor-parallel rank's model: dense HF checkpoints (or random presets) only, for now."""
-    from lamina.models.hf_loader import iter_safetensors
-    from lamina.models.registry import checkpoint_map_for
-    from lamina.parallel.tp_plan import check_tp_config, shard_heads, tp_format_choice
-
-    check_tp_config(cfg, parallel.world)
-    if source.kind == "gguf":
-        raise ValueError("tensor parallelism does not split GGUF checkpoints yet")
-    model = build_model(cfg, dtype, device, tp_format_choice(parallel, cfg))
-    shard_heads(model, parallel)
-    if source.kind == "random":
-        _random_weights(model)
-    else:
-        load_weights(model, tqdm(iter_safetensors(source.path), desc="loading weights", unit="tensor",
-                                 disable=not progress, leave=False), checkpoint_map_for(cfg))
-    model.init_rope(max_positions)
-    return _finalize(model).eval()
-
-
 @torch.no_grad()
 def _random_weights(model: CausalLM) -> None:
     """Benchmark weights: N(0, 0.02) matrices, unit vectors. Parameters a format stores quantized (FP8 from
     --quantization) get a random dense tensor through their own loader, which quantizes it."""
     from lamina.models.weight_formats import weight_loader
+    from lamina.parallel.tp_quant import local_loader
 
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if p.is_floating_point() and p.element_size() >= 2:
                 p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-            else:
-                weight_loader(module, name)(p, torch.randn(p.shape, device=p.device) * 0.02)
+            else:  # a quantized tensor-parallel layer's loader without its cut (the tensor is drawn local)
+                load = local_loader(module, name) or weight_loader(module, name)
+                load(p, torch.randn(p.shape, device=p.device) * 0.02)
 
 
 def _finalize(model: CausalLM) -> CausalLM:

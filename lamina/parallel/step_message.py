@@ -7,8 +7,9 @@ worker can size its receive buffer). Two broadcasts per step, whatever the batch
 sampling or the scheduler travels. Every rank then runs the same forward; rank 0 alone samples.
 
 Header (int64[HEADER]): kind, tokens T, logits rows L, sequences B, block-table width W, max query len,
-max sequence len. Payload: ids[T] | positions[T] | slots[T] | logits rows[L] | query starts[B+1] |
-sequence lengths[B] | block tables[B*W].
+max sequence len, graph slot (the CUDA graph rank 0 replays, which every worker replays: tp_graphs.py).
+Payload: ids[T] | positions[T] | slots[T] | logits rows[L] | query starts[B+1] | sequence lengths[B] |
+block tables[B*W].
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def send_step(ctx: ParallelContext, batch) -> None:
     b, w = a.block_tables.shape
     dev = batch.input_ids.device
     header = torch.tensor([STEP, batch.input_ids.shape[0], batch.logits_indices.shape[0], b, w,
-                           a.max_query_len, a.max_seq_len, 0], dtype=torch.int64)
+                           a.max_query_len, a.max_seq_len, batch.graph_slot or 0], dtype=torch.int64)
     if dev.type == "cuda":  # NCCL sends device tensors; a pinned source keeps the copy from syncing the host
         header = header.pin_memory().to(dev, non_blocking=True)
     payload = torch.cat([batch.input_ids.long(), batch.positions.long(), a.slot_mapping.long(),
@@ -54,7 +55,7 @@ def recv_step(ctx: ParallelContext, device: torch.device, block_size: int,
     from lamina.engine.runner import ForwardBatch
 
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
-    kind, t, n_logits, b, w, max_q, max_seq, _ = ctx.broadcast(header).tolist()
+    kind, t, n_logits, b, w, max_q, max_seq, graph = ctx.broadcast(header).tolist()
     if kind == STOP:
         return None
     if kind != STEP:
@@ -69,4 +70,4 @@ def recv_step(ctx: ParallelContext, device: torch.device, block_size: int,
     if ref_windows is not None:
         attn = dataclasses.replace(attn, ref_plan=plan_attention(attn, block_size, ref_windows))
     empty = np.zeros(0, np.int64)
-    return ForwardBatch(ids, pos, StepContext(attn), logits, empty, empty, None, [], [])
+    return ForwardBatch(ids, pos, StepContext(attn), logits, empty, empty, None, [], [], graph_slot=graph)

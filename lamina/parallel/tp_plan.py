@@ -14,6 +14,8 @@ The split (Megatron-style, one all-reduce per sublayer):
 - norms, RoPE and everything else: replicated.
 - hybrids' mixers (Gated DeltaNet, Mamba-2; gated attention splits like attention) and Nemotron-H's plain
   MLP: parallel/tp_hybrid.py.
+- quantized checkpoints (and --quantization): the same split, the storage the checkpoint's config chose
+  (parallel/tp_quant.py: each format cuts its own tensors).
 """
 from __future__ import annotations
 
@@ -48,8 +50,6 @@ def check_tp_config(cfg: ModelConfig, world: int) -> None:
         raise ValueError(f"{what}: tensor parallelism does not split {', '.join(kinds)} layers yet (family "
                          f"{cfg.family}; supported: attention, gated attention, Gated DeltaNet and Mamba-2 mixers, "
                          "dense and plain MLPs, MoE)")
-    if cfg.quantization_config is not None:
-        raise ValueError(f"{what}: tensor parallelism does not split quantized checkpoints yet")
     if cfg.moe is not None and (cfg.moe.topk_method is not None or cfg.moe.shared_experts_intermediate_size):
         raise ValueError(f"{what}: tensor parallelism does not split DeepSeek-style MoE layers yet")
     checks = [("attention heads", cfg.num_heads), ("vocabulary size", cfg.vocab_size),
@@ -74,8 +74,6 @@ def check_tp_engine(config: Any, world: int) -> None:
     if spec is not None and spec.method not in ("ngram", "replay"):  # proposers that run no forward of their own
         raise ValueError(f"{what}: speculative decoding method {spec.method!r} with tensor parallelism is not "
                          "supported yet (ngram is)")
-    if config.quantization is not None:
-        raise ValueError(f"{what}: --quantization with tensor parallelism is not supported yet")
 
 
 def tp_format_choice(ctx: ParallelContext, cfg: ModelConfig) -> FormatChoice:

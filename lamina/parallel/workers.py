@@ -186,7 +186,7 @@ def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when the workers stop
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lamina").setLevel(log_level)
-    from lamina.engine.build import build_pools
+    from lamina.engine.build import build_graphs, build_pools
     from lamina.engine.memory import resolve_device, resolve_dtype
     from lamina.engine.runner import ModelRunner
     from lamina.models.loader import load_model, read_config, resolve_source
@@ -200,9 +200,12 @@ def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level
         source = resolve_source(config.model)  # no tokenizer: a worker only runs forwards
         model_config, reader = read_config(source)
         max_pos = max(model_config.max_position_embeddings, config.max_model_len or 0)
-        model = load_model(source, model_config, reader, dtype, device, max_pos, False, parallel=ctx)
+        model = load_model(source, model_config, reader, dtype, device, max_pos, False, config.quantization,
+                           keep_quantized=not config.dequantize_gguf, parallel=ctx)
         pools = build_pools(config, model, model_config, dtype, device, parallel=ctx)
         runner = ModelRunner(model, config.block_size, device)
+        # The same graphs as rank 0, captured with it (each capture runs the model's collectives).
+        runner.graphs = build_graphs(config, model, pools.max_model_len, pools.state_pool, device, strict=True)
         with torch.inference_mode():
             while (batch := recv_step(ctx, device, config.block_size, runner._ref_windows)) is not None:
                 if pools.state_pool is not None:  # rank 0 sends its state part (TPGroup.attach_state)

@@ -135,6 +135,35 @@ class Partition:
         return tensor.narrow(dim, self.rank * n, n)
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A tensor-parallel rank's piece of one weight (one fused part of it): features [start, start + size)
+    of `full` along `dim` (0: output features, column parallel; 1: input features, row parallel)."""
+
+    dim: int
+    start: int
+    size: int
+    full: int
+
+    def along(self, tensor: torch.Tensor, tdim: int, unit: int = 1, width: int = 1, what: str = "tensor",
+              ) -> torch.Tensor:
+        """This piece of `tensor` along its dim `tdim`, where each `unit` features take `width` entries (a
+        packed int32 holds 8 values: unit 8; a block scale covers 128: unit 128; a GGUF Q4_K super-block is
+        256 features in 144 bytes: unit 256, width 144). The last index may cover a partial block when the
+        piece ends the tensor (ceil-divided block scales). Refuses a piece that splits a block."""
+        stop = self.start + self.size
+        if self.start % unit or (stop % unit and stop != self.full):
+            side = ("output", "input")[self.dim]
+            raise ValueError(f"{what}: this rank's {side} features [{self.start}, {stop}) of {self.full} do not "
+                             f"fall on its blocks of {unit} (choose a tensor-parallel size that keeps whole "
+                             "quantization blocks on each rank)")
+        first, count = self.start // unit * width, -(-self.size // unit) * width
+        if tensor.shape[tdim] != -(-self.full // unit) * width:
+            raise ValueError(f"{what} expects {-(-self.full // unit) * width} entries along dim {tdim} for "
+                             f"{self.full} features, the checkpoint has shape {tuple(tensor.shape)}")
+        return tensor.narrow(tdim, first, count)
+
+
 class WeightFormat(ABC):
     """Storage + loading + matmul of one linear-shaped weight [out, in] (Linear, Embedding, lm_head).
 
@@ -162,6 +191,14 @@ class WeightFormat(ABC):
     def can_concat_out(self, layer: nn.Module, other: nn.Module) -> bool:
         """Whether concat_out(layer, other) would succeed (an optimization may then rely on it)."""
         return False
+
+    def tp_slice(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None, cut: Cut,
+                 ) -> torch.Tensor:
+        """Tensor parallelism (lamina/parallel/tp_quant.py): this rank's piece of the full checkpoint tensor
+        for parameter `name` (fused part `shard`), as the parameter's own loader then takes it. The layer
+        already holds the local sizes. Refuses (ValueError, one line) a cut inside a quantization block.
+        Not implemented: the format cannot be split (dense formats split through parallel/tp_formats.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split for tensor parallelism")
 
     def concat_out(self, layer: nn.Module, other: nn.Module) -> None:
         """Appends `other`'s output features after `layer`'s (after loading; used to fold a shared expert's
@@ -194,3 +231,9 @@ class ExpertFormat(ABC):
         """Appends one more expert made of two Linear layers (a shared expert), if this format can hold them;
         returns whether it did (False leaves everything as it was)."""
         return False
+
+    def tp_slice(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None, cut: Cut,
+                 ) -> torch.Tensor:
+        """As WeightFormat.tp_slice for ONE expert's tensor of parameter `name`: `cut` is along the
+        intermediate dim (output rows of gate/up: dim 0; input columns of down: dim 1)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split for tensor parallelism")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lamina.kernels.fp8 import FP8, fp8_linear, quantize_rows
-from lamina.models.weight_formats.base import WeightFormat, copy_checked, new_param, register_param
+from lamina.models.weight_formats.base import Cut, WeightFormat, copy_checked, new_param, register_param
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,26 @@ def store_fp8(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
     copy_checked(target, tensor, what)
 
 
+def fp8_tp_slice(scheme: Fp8Scheme, kind: str, tensor: torch.Tensor, cut: Cut, what: str):
+    """A rank's piece of one FP8 checkpoint tensor [out, in] (Linear and experts alike); kind: "weight",
+    "block" (block scales: whole blocks only), "rows" (row or per-tensor scales), "input" (activation
+    scales: whole), "bias". An online weight's row-parallel piece is returned quantized over its FULL rows,
+    as (q, scale): a row scale from the rank's columns alone would differ from one process's."""
+    if kind == "weight":
+        if scheme.online and cut.dim == 1:
+            q, scale = quantize_rows(tensor)
+            return cut.along(q, 1, what=what), scale
+        return cut.along(tensor, cut.dim, what=what)
+    if kind == "block":
+        unit = scheme.block[cut.dim]
+        return cut.along(tensor, cut.dim, unit, what=what)
+    if kind in ("rows", "bias"):
+        if cut.dim == 1 or tensor.numel() == 1:
+            return tensor
+        return cut.along(tensor, 0, what=what)
+    return tensor  # input scales: one per part, not split
+
+
 class Fp8Linear(WeightFormat):
     """FP8 weight + scales (+ dense bias) for a Linear; see the module docstring."""
 
@@ -136,10 +156,13 @@ class Fp8Linear(WeightFormat):
         if not self.scheme.online:
             store_fp8(param[rows], tensor, what)
             return
-        if tuple(tensor.shape) != tuple(param[rows].shape):
+        # (q, scale): rows already quantized (a tensor-parallel piece; fp8_tp_slice)
+        q, scale = tensor if isinstance(tensor, tuple) else (None, None)
+        if tuple((q if q is not None else tensor).shape) != tuple(param[rows].shape):
             raise ValueError(f"{what} expects shape {tuple(param[rows].shape)}, the checkpoint has "
-                             f"{tuple(tensor.shape)}")
-        q, scale = quantize_rows(tensor.to(param.device))
+                             f"{tuple((q if q is not None else tensor).shape)}")
+        if q is None:
+            q, scale = quantize_rows(tensor.to(param.device))
         with torch.no_grad():
             param[rows].copy_(q)
             layer.weight_scale[rows] = scale
@@ -174,6 +197,13 @@ class Fp8Linear(WeightFormat):
         self._no_expert(expert)
         copy_checked(param[shard_rows(layer.out_shards, shard)], tensor, f"shard {shard!r} of the bias" if shard
                      else "the bias")
+
+    _TP_KINDS = {"weight": "weight", "weight_scale": "rows", "input_scale": "input", "bias": "bias"}
+
+    def tp_slice(self, layer, name, tensor, shard, cut):
+        kind = "block" if self.scheme.block is not None and name == self.scheme.scale_param and \
+            not self.scheme.online else self._TP_KINDS[name]
+        return fp8_tp_slice(self.scheme, kind, tensor, cut, f"{name} of shard {shard!r}" if shard else name)
 
     def scale(self, layer: nn.Module) -> torch.Tensor:
         return getattr(layer, self.scheme.scale_param)

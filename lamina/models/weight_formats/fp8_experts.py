@@ -19,7 +19,7 @@ from torch import nn
 
 from lamina.kernels.fp8 import FP8, dequantize, fp8_fused_moe, quantize_rows
 from lamina.models.weight_formats.base import ExpertFormat, copy_checked, new_param, register_param
-from lamina.models.weight_formats.fp8 import Fp8Scheme, fill_row_scale, store_fp8
+from lamina.models.weight_formats.fp8 import Fp8Scheme, fill_row_scale, fp8_tp_slice, store_fp8
 
 _PROJ = ("gate_up_proj", "down_proj")
 
@@ -85,10 +85,14 @@ class Fp8Experts(ExpertFormat):
         target = param[expert]
         with torch.no_grad():
             if kind == "weight" and self.scheme.online:
-                if tuple(tensor.shape) != tuple(target[rows].shape):
+                # (q, scale): rows already quantized (a tensor-parallel piece; fp8_tp_slice)
+                q, scale = tensor if isinstance(tensor, tuple) else (None, None)
+                shape = tuple((q if q is not None else tensor).shape)
+                if shape != tuple(target[rows].shape):
                     raise ValueError(f"{what} expects shape {tuple(target[rows].shape)}, the checkpoint has "
-                                     f"{tuple(tensor.shape)}")
-                q, scale = quantize_rows(tensor.to(param.device))
+                                     f"{shape}")
+                if q is None:
+                    q, scale = quantize_rows(tensor.to(param.device))
                 target[rows].copy_(q)
                 getattr(layer, self._scale_name(proj))[expert, rows] = scale
             elif kind == "weight":
@@ -104,6 +108,15 @@ class Fp8Experts(ExpertFormat):
                 if tensor.numel() != 1:
                     raise ValueError(f"{what} expects one number, the checkpoint has shape {tuple(tensor.shape)}")
                 target[int(shard == "up")] = tensor.float().reshape(())
+
+    def tp_slice(self, layer, name, tensor, shard, cut):
+        if name in _PROJ:
+            kind = "weight"
+        elif name.endswith("_input_scale"):
+            kind = "input"
+        else:
+            kind = "block" if self.scheme.block is not None and not self.scheme.online else "rows"
+        return fp8_tp_slice(self.scheme, kind, tensor, cut, f"{name} ({shard or 'whole'})")
 
     def dense_stacks(self, layer: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         block = None if self.scheme.online else self.scheme.block

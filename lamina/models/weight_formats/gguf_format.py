@@ -49,6 +49,17 @@ class GGUFFormat(GroupQuantFormat):
                              f"has {tensor.dtype} {tuple(tensor.shape)}")
         return pack_rows(tensor.cpu(), qtype, k, self.bits, self.group)
 
+    def tp_slice(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None, cut) -> torch.Tensor:
+        """Rows (column parallel) are whole; a row split keeps whole blocks: a Q4_K/Q6_K super-block is 256
+        input features, Q8_0/Q4_0/Q4_1 blocks 32."""
+        what = f"{name} of shard {shard!r}" if shard else name
+        if cut.dim == 0:
+            return cut.along(tensor, 0, what=what)
+        if name == "bias":
+            return tensor
+        per, size, _ = BLOCKS[self.types[shard or ""]]
+        return cut.along(tensor, 1, per, size, what=f"{what} ({self.types[shard or ''].name} blocks)")
+
 
 @dataclass
 class GGUFPlan:

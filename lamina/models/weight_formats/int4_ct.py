@@ -23,16 +23,18 @@ class CTInt4Format(NativeInt4Format):
     def __init__(self, group: int, symmetric: bool, actorder: bool) -> None:
         super().__init__(4, group)
         self.symmetric, self.actorder = symmetric, actorder
+        self.tp_splits_inputs = not actorder  # act order: groups are not contiguous in K
 
     def native_tensors(self, in_features: int) -> tuple[NativeTensor, ...]:
-        g = in_features // self.group
-        tensors = [NativeTensor("weight_packed", lambda k, n: (n, k // 8), torch.int32, 0),
-                   NativeTensor("weight_scale", lambda k, n: (n, g), torch.float32, 0),
+        g, G = in_features // self.group, self.group
+        tensors = [NativeTensor("weight_packed", lambda k, n: (n, k // 8), torch.int32, 0, in_dim=1, in_unit=8),
+                   NativeTensor("weight_scale", lambda k, n: (n, g), torch.float32, 0, in_dim=1, in_unit=G),
                    NativeTensor("weight_shape", lambda k, n: (2,), torch.int64, None)]
         if not self.symmetric:
-            tensors.append(NativeTensor("weight_zero_point", lambda k, n: (n // 8, g), torch.int32, 0, pack=8))
+            tensors.append(NativeTensor("weight_zero_point", lambda k, n: (n // 8, g), torch.int32, 0, pack=8,
+                                        in_dim=1, in_unit=G))
         if self.actorder:
-            tensors.append(NativeTensor("weight_g_idx", lambda k, n: (k,), torch.int32, None))
+            tensors.append(NativeTensor("weight_g_idx", lambda k, n: (k,), torch.int32, None, in_dim=0))
         return tuple(tensors)
 
     def to_layout(self, layer: nn.Module):

@@ -66,6 +66,23 @@ class GPTQExperts(ExpertFormat):
 
         return load
 
+    def tp_slice(self, layer, name, tensor, shard, cut):
+        """One expert's GPTQ tensor ([K/8, N] qweight, [K/G, N/8] qzeros, [K/G, N] scales, [K] g_idx): gate/up
+        cut along N, down along K in whole groups (an act-order down projection cannot be: refused)."""
+        kind = name.rpartition("_")[2] if not name.endswith("g_idx") else "g_idx"
+        what = f"{name} ({shard or 'down'})"
+        if cut.dim == 0:
+            return tensor if kind == "g_idx" else cut.along(tensor, 1, 8 if kind == "qzeros" else 1, what=what)
+        unit = {"qweight": 8, "qzeros": self.group, "scales": self.group, "g_idx": 1}[kind]
+        piece = cut.along(tensor, 0, unit, what=what)
+        if kind == "g_idx":
+            piece = piece - cut.start // self.group
+            plain = torch.arange(piece.numel(), device=piece.device) // self.group
+            if not torch.equal(piece.long(), plain):
+                raise ValueError(f"{what}: an act-order (desc_act) expert down projection cannot be split over "
+                                 "tensor-parallel ranks")
+        return piece
+
     @torch.no_grad()
     def finish_loading(self, layer: nn.Module) -> None:
         stacks = {}

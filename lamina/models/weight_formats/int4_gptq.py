@@ -24,16 +24,17 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ int32 holds column AW
 
 
 class GPTQFormat(NativeInt4Format):
-    def __init__(self, bits: int, group: int, zero_plus_one: bool = True) -> None:
+    def __init__(self, bits: int, group: int, zero_plus_one: bool = True, desc_act: bool = False) -> None:
         super().__init__(bits, group)
         self.zero_plus_one = zero_plus_one  # "gptq" (v1) checkpoints store z - 1
+        self.tp_splits_inputs = not desc_act  # act order: groups are not contiguous in K
 
     def native_tensors(self, in_features: int) -> tuple[NativeTensor, ...]:
-        g = in_features // self.group
-        return (NativeTensor("qweight", lambda k, n: (k // 8, n), torch.int32, 1),
-                NativeTensor("qzeros", lambda k, n: (g, n // 8), torch.int32, 1, pack=8),
-                NativeTensor("scales", lambda k, n: (g, n), torch.float16, 1),
-                NativeTensor("g_idx", lambda k, n: (k,), torch.int32, None))
+        g, G = in_features // self.group, self.group
+        return (NativeTensor("qweight", lambda k, n: (k // 8, n), torch.int32, 1, in_dim=0, in_unit=8),
+                NativeTensor("qzeros", lambda k, n: (g, n // 8), torch.int32, 1, pack=8, in_dim=0, in_unit=G),
+                NativeTensor("scales", lambda k, n: (g, n), torch.float16, 1, in_dim=0, in_unit=G),
+                NativeTensor("g_idx", lambda k, n: (k,), torch.int32, None, in_dim=0))
 
     def to_layout(self, layer: nn.Module):
         g_idx = self.shard_g_idx(layer, layer.g_idx, "g_idx")
@@ -54,10 +55,10 @@ def gptq_layout(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 
 class AWQFormat(NativeInt4Format):
     def native_tensors(self, in_features: int) -> tuple[NativeTensor, ...]:
-        g = in_features // self.group
-        return (NativeTensor("qweight", lambda k, n: (k, n // 8), torch.int32, 1, pack=8),
-                NativeTensor("qzeros", lambda k, n: (g, n // 8), torch.int32, 1, pack=8),
-                NativeTensor("scales", lambda k, n: (g, n), torch.float16, 1))
+        g, G = in_features // self.group, self.group
+        return (NativeTensor("qweight", lambda k, n: (k, n // 8), torch.int32, 1, pack=8, in_dim=0),
+                NativeTensor("qzeros", lambda k, n: (g, n // 8), torch.int32, 1, pack=8, in_dim=0, in_unit=G),
+                NativeTensor("scales", lambda k, n: (g, n), torch.float16, 1, in_dim=0, in_unit=G))
 
     @staticmethod
     def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
@@ -95,6 +96,7 @@ def choose_gptq(quant_config: dict[str, Any], model_config: Any):
         raise ValueError("unsupported GPTQ group_size -1 (one group per row); supported: 32, 64, 128, ...")
     GPTQFormat(bits, group)  # refuses an unsupported bit width / group size now, before anything loads
     skip_head = not quant_config.get("lm_head", False)
+    desc_act = bool(quant_config.get("desc_act", False))
 
     def choose(name: str, module: nn.Module):
         from lamina.models.layers.moe import FusedExperts
@@ -102,7 +104,8 @@ def choose_gptq(quant_config: dict[str, Any], model_config: Any):
 
         if isinstance(module, FusedExperts):
             return GPTQExperts(bits, group, fmt == "gptq")
-        return GPTQFormat(bits, group, fmt == "gptq") if _quantized_linear(name, module, skip_head) else None
+        return GPTQFormat(bits, group, fmt == "gptq", desc_act) if _quantized_linear(name, module, skip_head) \
+            else None
 
     return choose
 

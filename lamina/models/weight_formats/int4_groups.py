@@ -9,10 +9,12 @@ weight over several tensors (qweight / qzeros / scales / g_idx).
 
 Storage on the layer: `weight` (the integers: uint8 [N, K/2] for 4 bits, int8 [N, K] for 8), buffers
 `weight_scales` and `weight_offsets` (fp16 [N, K/group]), `bias` in the model dtype if the layer has one,
-and after loading, on the CPU only, the prepared CPU form (`finish_loading`; not a parameter, not saved).
+and after loading, on the CPU only, the prepared CPU form (`finish_loading`; not a parameter, not saved;
+LAMINA_CPU_QUANT_FORMS=0 leaves it out: every call dequantizes, in fp32 for fp32 activations).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -107,6 +109,8 @@ class GroupQuantFormat(WeightFormat):
 
         if layer.weight.is_cuda or layer.weight.is_meta or isinstance(layer, Embedding):
             return  # an embedding reads rows only (a tied lm_head is a Linear with its own CPU form)
+        if os.environ.get("LAMINA_CPU_QUANT_FORMS", "1") == "0":
+            return  # the fp32 reference (dequantize per call): tests that need fp32 compute, not bf16's
         if cpu_int4_ok(layer.weight, layer.weight_scales, self.bits):
             layer.__dict__["_cpu_pack"] = CpuInt4Pack.build(layer.weight, layer.weight_scales, layer.weight_offsets)
         else:

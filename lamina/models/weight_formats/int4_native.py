@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lamina.models.weight_formats.base import clear_params, copy_checked, new_param, register_param
+from lamina.models.weight_formats.base import Cut, clear_params, copy_checked, new_param, register_param
 from lamina.models.weight_formats.int4_groups import SCALE_DTYPE, GroupQuantFormat
 
 SUPPORTED_BITS = (4,)
@@ -33,6 +33,8 @@ class NativeTensor:
     dtype: torch.dtype
     out_dim: int | None
     pack: int = 1
+    in_dim: int | None = None  # the dim that runs over input features (tensor parallelism's row split)
+    in_unit: int = 1  # input features per entry along it (8 for int32 packed along K; the group for scales)
 
 
 def check_bits_group(bits: int, group: int, k: int | None = None) -> None:
@@ -122,6 +124,27 @@ class NativeInt4Format(GroupQuantFormat):
             copy_checked(param.narrow(t.out_dim, rows.start, rows.stop - rows.start), tensor, what)
 
         return load
+
+    # An act-order group index cannot be split along K (a rank's columns fall in any group): such a format
+    # is computed column-parallel over the gathered input instead (parallel/tp_quant.py).
+    tp_splits_inputs = True
+
+    def tp_slice(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None, cut: Cut,
+                 ) -> torch.Tensor:
+        if name == "bias":
+            return cut.along(tensor, 0, what=name) if cut.dim == 0 else tensor
+        t = next(t for t in self.native_tensors(layer.in_features) if t.name == name)
+        what = f"{name} of shard {shard!r}" if shard else name
+        if name == "weight_shape":  # (N, K) of the part: the local sizes now
+            return torch.tensor([layer.out_shards[shard or ""], layer.in_features], dtype=tensor.dtype)
+        if cut.dim == 0:
+            return tensor if t.out_dim is None else cut.along(tensor, t.out_dim, t.pack, what=what)
+        if t.in_dim is None:
+            return tensor
+        piece = cut.along(tensor, t.in_dim, t.in_unit, what=what)
+        if t.out_dim is None:  # a group index: its groups renumbered from this rank's first
+            piece = piece - cut.start // self.group
+        return piece
 
     def to_layout(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q values [N, K] 0..15 in the stored column order, scales [N, K/G], offsets [N, K/G], perm)."""
