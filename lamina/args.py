@@ -122,6 +122,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="split the model over this many processes, one per GPU (dense attention + MLP "
                         "families; default: 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size N: place whole MoE experts across the N ranks (E/N each) "
+                        "instead of splitting every expert; ignored for models without experts")
     p.set_defaults(loads_model=True)
 
 
@@ -144,7 +147,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_config=getattr(args, "speculative_config", None),
                 dequantize_gguf=getattr(args, "dequantize_gguf", False), tokenizer=getattr(args, "tokenizer", None),
                 skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

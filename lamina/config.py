@@ -45,6 +45,9 @@ class EngineConfig:
     # Tensor parallelism: the model split over this many processes (one per GPU; lamina/parallel/). 1: one
     # process, no collectives.
     tensor_parallel_size: int = 1
+    # Expert parallelism (with tensor_parallel_size > 1): MoE layers place whole experts across the ranks
+    # instead of splitting each one (lamina/parallel/expert_parallel.py); ignored for models without experts.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

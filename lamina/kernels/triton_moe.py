@@ -273,7 +273,8 @@ def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     bk1 = triton.next_power_of_2(h)
     bn1 = max(1, min(16, 16384 // bk1))
     _gemv1_kernel[(p, triton.cdiv(inter_size, bn1))](
-        x, w13, inter, ids, top_k, w13.shape[0], inter_size, h, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        x, w13, inter, ids, top_k, w13.shape[0], inter_size, h, x.stride(0), w13.stride(0), w13.stride(1),
+        inter.stride(0),
         BLOCK_N=bn1, BLOCK_K=bk1, num_warps=8)
     out_pairs = torch.empty(p, h, dtype=x.dtype, device=x.device)
     bk2 = triton.next_power_of_2(inter_size)
