@@ -59,3 +59,36 @@ def test_layouts_agree_with_remote_pairs():
     placed = s_k.cpu().long()
     placed = placed[placed < p]
     assert torch.equal(placed.sort().values, torch.nonzero(flat < 8).flatten())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter (CI); on CUDA the real "
+                    "backend refuses CPU tensors")
+def test_ep_layer_fused_decode_routes_like_the_unfused_path(monkeypatch):
+    """A SparseMoE whose experts are rank 1's half (EPExperts): the fused decode path's routing kernel feeds the
+    format the same ids and weights as the unfused router + select_experts (the all-reduce is stubbed)."""
+    from lamina.models import layers
+    from lamina.models.config import LayerSpec, ModelConfig, MoESpec
+    from lamina.models.layers.moe import SparseMoE
+    from lamina.parallel.context import ParallelContext
+    from lamina.parallel.expert_parallel import EPExperts
+
+    class NoGroup(ParallelContext):
+        def all_reduce(self, x):
+            return x
+
+    torch.manual_seed(3)
+    cfg = ModelConfig(family="t", vocab_size=8, hidden_size=32, intermediate_size=16, num_heads=2, num_kv_heads=2,
+                      head_dim=16, layers=[LayerSpec("attention", "moe")],
+                      moe=MoESpec(num_experts=8, top_k=3, intermediate_size=16, renormalize=True))
+    with torch.device("meta"):
+        layer = SparseMoE(cfg)
+        layer.experts.set_format(EPExperts(NoGroup(1, 2)), torch.float32)
+    layer.to_empty(device="cpu")
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    assert layer.experts.gate_up_proj.shape[0] == 4
+    x = torch.randn(5, 32)
+    want = layer(x)  # CPU: the unfused path
+    monkeypatch.setattr(layers.moe_decode_path, "use_triton", lambda t: True)
+    got = layers.moe_decode_path.fused_decode(layer, x)
+    assert got is not None and rel_err(got, want.double()) < 1e-5
