@@ -170,3 +170,17 @@ def test_cli_flag():
     add_engine_args(p)
     kw = engine_kwargs(p.parse_args(["--model", "m", "-tp", "2", "--enable-expert-parallel"]))
     assert kw["enable_expert_parallel"] is True and kw["tensor_parallel_size"] == 2
+
+
+def test_routed_counts_metric():
+    """lamina:expert_parallel_routed_tokens{rank} takes the increments of the running totals."""
+    from lamina.engine.engine_stats import EngineStats
+    from lamina.engine.ipc import IterationStats
+    from lamina.server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    m.on_iteration(IterationStats(), EngineStats(0, 0, 8, 8, expert_parallel_routed_tokens=[3, 5]))
+    m.on_iteration(IterationStats(), EngineStats(0, 0, 8, 8, expert_parallel_routed_tokens=[4, 9]))
+    text = m.render()[0].decode()
+    assert 'lamina:expert_parallel_routed_tokens_total{model_name="m",rank="0"} 4.0' in text
+    assert 'lamina:expert_parallel_routed_tokens_total{model_name="m",rank="1"} 9.0' in text
