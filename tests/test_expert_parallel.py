@@ -72,6 +72,18 @@ def test_qwen3_moe_ep_load_counts(qwen3_moe_ep):
     _check_load(llm, llm.engine.model_config.moe.top_k)
 
 
+def test_bench_throughput_reports_the_ranks_load(qwen3_moe_ep):
+    from lamina.bench.offline import run_throughput
+    from lamina.bench.workload import Workload
+
+    _, _, llm = qwen3_moe_ep
+    wl = Workload([[100 + i, 200 + i, 300 + i] for i in range(3)], [3, 3, 3])
+    res = run_throughput(llm, wl)
+    moe = len(_moe_layers(llm.engine.model))
+    assert sum(res["expert_parallel_routed_tokens"]) == (3 * 3 + 3 * 2) * llm.engine.model_config.moe.top_k * moe
+    assert res["expert_parallel_imbalance"] >= 1.0
+
+
 @pytest.fixture(scope="module")
 def v3_checkpoint(tmp_path_factory, smol_tokenizer):
     return make_deepseek_checkpoint(tmp_path_factory.mktemp("ep") / "v3", "deepseek_v3", smol_tokenizer, seed=2)
