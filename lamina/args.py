@@ -126,6 +126,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                    help="how tensor-parallel workers start: mp (processes on this host) or ray (actors of the Ray "
                         "cluster this host joined with `ray start`, across nodes; needs the ray extra) "
                         "(default: mp)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size N: place whole MoE experts across the N ranks (E/N each) "
+                        "instead of splitting every expert; ignored for models without experts")
     p.set_defaults(loads_model=True)
 
 
@@ -149,7 +152,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 dequantize_gguf=getattr(args, "dequantize_gguf", False), tokenizer=getattr(args, "tokenizer", None),
                 skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"))
+                distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
+                enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
 
 
 def check_engine_args(args: argparse.Namespace) -> str | None:

@@ -48,6 +48,9 @@ class EngineConfig:
     # How the tensor-parallel workers start: "mp" (torch.multiprocessing on this host) or "ray" (actors of a
     # Ray cluster, possibly on other nodes; lamina/parallel/ray_workers.py).
     distributed_executor_backend: str = "mp"
+    # Expert parallelism (with tensor_parallel_size > 1): MoE layers place whole experts across the ranks
+    # instead of splitting each one (lamina/parallel/expert_parallel.py); ignored for models without experts.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -21,14 +21,21 @@ def run_throughput(llm, wl: Workload, temperature: float = 0.0) -> dict[str, flo
     warm = prompts[:2]  # warm-up: up to two of the prompts, a few tokens each
     llm.generate(warm, [SamplingParams(max_tokens=4, ignore_eos=True)] * len(warm), use_tqdm=False)
     sync(llm.engine.device)
+    load = getattr(llm.engine, "expert_load", None)  # expert parallelism: per-rank routed pairs
+    before = load.read(wait=True) if load is not None else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     sync(llm.engine.device)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(wl.output_lens), "every request must produce exactly its output length"
-    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
-            "total_tok_s": (out_tokens + wl.num_prompt_tokens) / elapsed}
+    result = {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
+              "total_tok_s": (out_tokens + wl.num_prompt_tokens) / elapsed}
+    if load is not None:
+        routed = [a - b for a, b in zip(load.read(wait=True), before)]
+        result["expert_parallel_routed_tokens"] = routed  # the run's pairs per rank, and max / mean of them
+        result["expert_parallel_imbalance"] = max(routed) * len(routed) / max(1, sum(routed))
+    return result
 
 
 def run_latency(llm, prompt: list[int], output_len: int, repeats: int = 3) -> dict[str, float]:

@@ -33,6 +33,7 @@ from lamina.engine.startup import StartupTimer
 from lamina.engine.warmup import warm_up
 from lamina.outputs import RequestOutput
 from lamina.parallel.context import ParallelFailure
+from lamina.parallel.expert_parallel import expert_load
 from lamina.parallel.workers import start_tensor_parallel
 from lamina.sampling_params import SamplingParams
 from lamina.spec.accept import accepted_on_device
@@ -121,6 +122,10 @@ class LLMEngine(StepReadback):
         if self.device.type == "cuda" if config.warmup is None else config.warmup:
             warm_up(self)
             timer.phase("warm-up")
+        # Expert parallelism's per-rank routing counts (rank 0 counts every rank's): from zero after warm-up.
+        self.expert_load = expert_load(self.model)
+        if self.expert_load is not None:
+            self.expert_load.reset()
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)

@@ -25,6 +25,9 @@ class EngineStats:
     # Speculation paused for low acceptance (spec/adaptive.py): sequences paused now, and pauses so far.
     num_spec_paused: int = 0
     num_spec_pauses: int = 0
+    # Expert parallelism (parallel/expert_parallel.py): (token, expert) pairs routed to each rank's experts,
+    # summed over the MoE layers since start-up (read without a host sync: may lag by a step on CUDA).
+    expert_parallel_routed_tokens: list[int] | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -45,4 +48,10 @@ def engine_stats(engine) -> EngineStats:
                                                  if spec is not None else ()),
                        num_preemptions=engine.scheduler.num_preemptions,
                        num_spec_paused=engine.spec.gate.num_paused if engine.spec is not None else 0,
-                       num_spec_pauses=engine.spec.gate.num_pauses if engine.spec is not None else 0)
+                       num_spec_pauses=engine.spec.gate.num_pauses if engine.spec is not None else 0,
+                       expert_parallel_routed_tokens=_routed(engine))
+
+
+def _routed(engine) -> list[int] | None:
+    load = getattr(engine, "expert_load", None)
+    return load.read() if load is not None else None

@@ -3,6 +3,9 @@
 Expert weights are stacked the way transformers 5 holds them: w13 [E, 2I, H] (gate rows then up rows) and
 w2 [E, H, I]. The reference groups tokens by expert (one gather, two matmuls and a scatter-add per expert
 that has tokens), which is also the shape of the fused GPU kernels (sort by expert, grouped GEMM).
+
+Expert id E (one past the stack) marks a (token, slot) pair whose expert lives on another expert-parallel
+rank (lamina/parallel/expert_parallel.py): it contributes zero here, and no kernel reads weights for it.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = torch.zeros_like(x)
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert, in token order
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()[:w13.shape[0]]  # id E: a remote pair
     token_of = order // topk_ids.shape[1]
     weight_of = topk_weights.flatten()[order]
     start = 0
@@ -56,9 +59,11 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, remote_pairs: bool = False) -> torch.Tensor:
+    """remote_pairs: some ids may be E (experts on other ranks; those pairs add nothing). Without it every id
+    must be < E (the GPU path then skips zeroing the rows of pairs it never computes)."""
     if use_triton(x):
         from lamina.kernels.triton_moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, remote_pairs=remote_pairs)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

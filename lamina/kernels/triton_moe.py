@@ -198,14 +198,16 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
 
 
 @triton.jit
-def _gemv1_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, top_k, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv1_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, top_k, num_experts, N, K, stride_xm, stride_we, stride_wn,
+                  stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Few pairs (decode of a handful of tokens): one program per (pair, BLOCK_N columns of I), no grouping.
     inter[pair, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]), as a GEMV on the CUDA cores."""
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     e = tl.load(ids_ptr + pair).to(tl.int64)
+    if e >= num_experts:  # an expert on another rank: _gemv2_kernel writes the pair's zeros
+        return
     tok = (pair // top_k).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -226,13 +228,18 @@ def _gemv1_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, top_k, N, K, stride_xm, stride
 
 
 @triton.jit
-def _gemv2_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, topk_w_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out_pairs[pair, n] = weight[pair] * (inter[pair] . w2[e, n]), one program per (pair, BLOCK_N of H)."""
+def _gemv2_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, topk_w_ptr, num_experts, N, K, stride_am, stride_we, stride_wn,
+                  stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out_pairs[pair, n] = weight[pair] * (inter[pair] . w2[e, n]), one program per (pair, BLOCK_N of H);
+    zeros for a pair whose expert is on another rank (id >= num_experts)."""
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     e = tl.load(ids_ptr + pair).to(tl.int64)
+    if e >= num_experts:
+        tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, tl.zeros([BLOCK_N], dtype=tl.float32).to(
+            out_ptr.dtype.element_ty), mask=n_ok)
+        return
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -266,13 +273,14 @@ def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     bk1 = triton.next_power_of_2(h)
     bn1 = max(1, min(16, 16384 // bk1))
     _gemv1_kernel[(p, triton.cdiv(inter_size, bn1))](
-        x, w13, inter, ids, top_k, inter_size, h, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        x, w13, inter, ids, top_k, w13.shape[0], inter_size, h, x.stride(0), w13.stride(0), w13.stride(1),
+        inter.stride(0),
         BLOCK_N=bn1, BLOCK_K=bk1, num_warps=8)
     out_pairs = torch.empty(p, h, dtype=x.dtype, device=x.device)
     bk2 = triton.next_power_of_2(inter_size)
     bn2 = max(1, min(32, 8192 // bk2))
     _gemv2_kernel[(p, triton.cdiv(h, bn2))](
-        inter, w2, out_pairs, ids, weights, h, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
+        inter, w2, out_pairs, ids, weights, w2.shape[0], h, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
         out_pairs.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=4)
     return out_pairs.view(t, top_k, h).sum(dim=1)
 
@@ -330,24 +338,32 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, method: st
         return sorted_ids, block_expert
     flat = flat.long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    # Bin E holds the pairs of experts on other ranks (expert parallelism): counted, then dropped.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts[:num_experts]
     nblk = (counts + block_m - 1) // block_m
     blk_end = torch.cumsum(nblk, 0)
     delta = (blk_end - nblk) * block_m - (torch.cumsum(counts, 0) - counts)  # padded start - packed start
-    dest = torch.arange(p, device=dev) + delta[flat[order]]
-    sorted_ids = torch.full((num_blocks * block_m,), p, dtype=torch.int32, device=dev)
+    delta = torch.cat([delta, delta.new_zeros(1)])
+    ids_sorted = flat[order]
+    trash = num_blocks * block_m  # one slot past the layout: where the remote pairs' entries land
+    dest = torch.where(ids_sorted < num_experts, torch.arange(p, device=dev) + delta[ids_sorted], trash)
+    sorted_ids = torch.full((trash + 1,), p, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = sorted_ids[:trash]
     blocks = torch.arange(num_blocks, device=dev, dtype=torch.int64)
     block_expert = torch.searchsorted(blk_end, blocks, right=True).clamp_(max=num_experts).to(torch.int32)
     return sorted_ids, block_expert
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, *, tiles: MoeTiles | None = None, align: str | None = None
-                     ) -> torch.Tensor:
+                     topk_ids: torch.Tensor, *, tiles: MoeTiles | None = None, align: str | None = None,
+                     remote_pairs: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H] in x's dtype.
-    The keyword-only arguments exist for tests and tuning sweeps (align="gemv" forces the per-pair path)."""
+    remote_pairs: ids may be E (an expert on another rank): such pairs are in no block and add zero (their
+    out_pairs rows are zeroed up front; the per-pair path writes their zeros itself).
+    tiles and align exist for tests and tuning sweeps (align="gemv" forces the per-pair path)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights need contiguous rows"
@@ -375,7 +391,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=bm, BLOCK_N=n1, BLOCK_K=k1, EVEN_K=h % k1 == 0, DOT_PREC=prec,
         num_warps=tl_.warps, num_stages=tl_.stages)
-    out_pairs = torch.empty(p, h, dtype=x.dtype, device=x.device)
+    # Remote pairs sit in no block, so no program writes their rows: zero them first.
+    out_pairs = (torch.zeros if remote_pairs else torch.empty)(p, h, dtype=x.dtype, device=x.device)
     _gemm2_kernel[(num_blocks * triton.cdiv(h, n2),)](
         inter, w2, out_pairs, sorted_ids, block_expert, weights, p, num_experts, h, inter_size,
         inter.stride(0), w2.stride(0), w2.stride(1), out_pairs.stride(0),

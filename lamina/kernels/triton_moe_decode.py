@@ -158,7 +158,8 @@ def gate_up_pairs_triton(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor) 
     bk = triton.next_power_of_2(h)  # whole rows in one load per program (see triton_moe._fused_moe_gemv)
     bn = max(1, min(16, 16384 // bk))
     _gemv1_kernel[(t * s, triton.cdiv(inter_size, bn))](
-        x, w13, inter, ids.reshape(-1), s, inter_size, h, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        x, w13, inter, ids.reshape(-1), s, w13.shape[0], inter_size, h, x.stride(0), w13.stride(0), w13.stride(1),
+        inter.stride(0),
         BLOCK_N=bn, BLOCK_K=bk, num_warps=8)
     return inter
 

@@ -28,12 +28,14 @@ class ParallelFailure(RuntimeError):
 class ParallelContext:
     """rank/world of the tensor-parallel group. group: its torch.distributed backend (ProcessGroupGloo or
     ProcessGroupNCCL), made by `connect`, not registered as torch's default group (so nothing global: two
-    engines could each hold one); store: its rendezvous store, kept alive with it. Both None for world 1."""
+    engines could each hold one); store: its rendezvous store, kept alive with it. Both None for world 1.
+    expert_parallel: MoE layers place whole experts across the ranks (parallel/expert_parallel.py)."""
 
     rank: int = 0
     world: int = 1
     group: Any = None
     store: Any = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:

@@ -19,6 +19,7 @@ liveness check before each step (or after a failed collective) is a dead worker:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -137,7 +138,8 @@ class RayTPGroup:
         level = logging.getLogger("lamina").level
         self.runs = [a.run.remote(r, self.world, host, port, config, level, on_cuda)
                      for r, a in enumerate(self.actors, start=1)]
-        self.ctx = self._join(port, device, host)
+        self.ctx = dataclasses.replace(self._join(port, device, host),
+                                       expert_parallel=getattr(config, "enable_expert_parallel", False))
 
     def _join(self, port: int, device: torch.device, host: str):
         """Rank 0's connect, watching the actors meanwhile: one that ends before joining (lamina missing on

@@ -10,6 +10,9 @@ The split (Megatron-style, one all-reduce per sublayer):
 - MoE (softmax top-k routing): the router is replicated (every rank routes every token the same way), each
   routed expert is split along its intermediate dim (TPExperts), a shared expert like a dense MLP (its
   sigmoid gate replicated); each part all-reduces its partial sum.
+- MLA (DeepSeek): heads split (parallel/tp_mla.py); DeepSeek MoE as MoE above (grouped router replicated,
+  shared experts like a dense MLP). With expert parallelism, routed experts are whole on one rank each
+  (parallel/expert_parallel.py) instead of split.
 - embedding and lm_head: vocab-parallel (rows split; lm_head's logits all-gathered, tied weights stay tied).
 - norms, RoPE and everything else: replicated.
 - hybrids' mixers (Gated DeltaNet, Mamba-2; gated attention splits like attention) and Nemotron-H's plain
@@ -26,10 +29,12 @@ from torch import nn
 from lamina.models.config import ModelConfig
 from lamina.models.weight_formats import FormatChoice, Partition, WeightFormat
 from lamina.parallel.context import ParallelContext
+from lamina.parallel.expert_parallel import expert_format
 from lamina.parallel.tp_formats import ColumnParallel, RowParallel, TPExperts
 from lamina.parallel.tp_hybrid import HYBRID_FFNS, HYBRID_MIXERS, check_hybrid_config, hybrid_format
+from lamina.parallel.tp_mla import MLA_COLUMN, MLA_REPLICATED, shard_mla_heads
 
-SUPPORTED_MIXERS = ("attention", *HYBRID_MIXERS)  # hybrids' mixers: parallel/tp_hybrid.py
+SUPPORTED_MIXERS = ("attention", "mla", *HYBRID_MIXERS)  # hybrids' mixers: parallel/tp_hybrid.py
 SUPPORTED_FFNS = ("dense", "moe", *HYBRID_FFNS)
 _SINGLE_SUBLAYER = ("none",)  # a single-sublayer model's empty halves (Nemotron-H)
 _REPLICATED = ("gate", "shared_expert_gate")  # the MoE router and the shared expert's gate
@@ -49,15 +54,15 @@ def check_tp_config(cfg: ModelConfig, world: int) -> None:
     if kinds:
         raise ValueError(f"{what}: tensor parallelism does not split {', '.join(kinds)} layers yet (family "
                          f"{cfg.family}; supported: attention, gated attention, Gated DeltaNet and Mamba-2 mixers, "
-                         "dense and plain MLPs, MoE)")
-    if cfg.moe is not None and (cfg.moe.topk_method is not None or cfg.moe.shared_experts_intermediate_size):
-        raise ValueError(f"{what}: tensor parallelism does not split DeepSeek-style MoE layers yet")
+                         "MLA, dense and plain MLPs, MoE)")
     checks = [("attention heads", cfg.num_heads), ("vocabulary size", cfg.vocab_size),
               ("intermediate size", cfg.intermediate_size), *check_hybrid_config(cfg, world)]
     if cfg.moe is not None:
         checks += [("expert intermediate size", cfg.moe.intermediate_size)]
         if cfg.moe.shared_intermediate_size:
             checks += [("shared expert intermediate size", cfg.moe.shared_intermediate_size)]
+        if cfg.moe.shared_experts_intermediate_size:
+            checks += [("shared experts intermediate size", cfg.moe.shared_experts_intermediate_size)]
     for name, n in checks:
         if n % world:
             raise ValueError(f"{what}: the model's {name} ({n}) does not divide by {world}")
@@ -84,18 +89,20 @@ def tp_format_choice(ctx: ParallelContext, cfg: ModelConfig) -> FormatChoice:
     kv_part = Partition(ctx.rank * kv // ctx.world, kv, 0) if kv < ctx.world else None
     qkv_parts = {"k": kv_part, "v": kv_part} if kv_part is not None else None
 
+    ep_experts = expert_format(ctx, cfg, ctx.expert_parallel)
+
     def choose(name: str, module: nn.Module) -> WeightFormat | TPExperts | None:
         role = name.rpartition(".")[2]
         hybrid = hybrid_format(ctx, cfg, name)
         if hybrid is not None:
             return hybrid
         if role == "experts":
-            return TPExperts(ctx)
-        if role in _REPLICATED:
+            return ep_experts() if ep_experts is not None else TPExperts(ctx)
+        if role in _REPLICATED or role in MLA_REPLICATED:
             return None
         if role == "qkv_proj":
             return ColumnParallel(ctx, qkv_parts)
-        if role in _COLUMN:
+        if role in _COLUMN or role in MLA_COLUMN:
             return ColumnParallel(ctx)
         if role in _ROW:
             return RowParallel(ctx)
@@ -118,3 +125,4 @@ def shard_heads(model: nn.Module, ctx: ParallelContext) -> None:
             m.num_heads //= ctx.world
             m.num_kv_heads = max(1, m.num_kv_heads // ctx.world)
     shard_state_mixers(model, ctx)
+    shard_mla_heads(model, ctx)

@@ -17,6 +17,7 @@ turns 503). If rank 0 dies, the workers' collectives fail likewise and they exit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import multiprocessing
@@ -94,7 +95,8 @@ class TPGroup:
                 send.close()
                 self.pipes.append(recv)
                 self.procs.append(proc)
-        self.ctx = connect(0, self.world, port, device, COLLECTIVE_TIMEOUT)
+        self.ctx = dataclasses.replace(connect(0, self.world, port, device, COLLECTIVE_TIMEOUT),
+                                       expert_parallel=getattr(config, "enable_expert_parallel", False))
 
     def _worker_error(self, i: int) -> str:
         pipe = self.pipes[i]
@@ -165,13 +167,16 @@ def start_tensor_parallel(config: Any, device: torch.device) -> TPGroup | None:
     if world == 1:
         return None
     from lamina.models.loader import read_config, resolve_source
+    from lamina.parallel.expert_parallel import check_ep_config
     from lamina.parallel.tp_plan import check_tp_config, check_tp_engine
 
     check_tp_engine(config, world)
     on_ray = getattr(config, "distributed_executor_backend", "mp") == "ray"
     if not on_ray:  # Ray places the ranks on the cluster's GPUs, not this host's alone
         check_devices(device, world)
-    check_tp_config(read_config(resolve_source(config.model))[0], world)
+    cfg = read_config(resolve_source(config.model))[0]
+    check_tp_config(cfg, world)
+    check_ep_config(cfg, world, getattr(config, "enable_expert_parallel", False), warn=True)
     if on_ray:
         from lamina.parallel.ray_workers import RayTPGroup
 
@@ -195,7 +200,8 @@ def worker_main(rank: int, world: int, port: int, config: Any, errors, log_level
         device = rank_device(resolve_device(config.device), rank if device_index is None else device_index)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        ctx = connect(rank, world, port, device, COLLECTIVE_TIMEOUT, host)
+        ctx = dataclasses.replace(connect(rank, world, port, device, COLLECTIVE_TIMEOUT, host),
+                                  expert_parallel=getattr(config, "enable_expert_parallel", False))
         dtype = resolve_dtype(config.dtype, device)
         source = resolve_source(config.model)  # no tokenizer: a worker only runs forwards
         model_config, reader = read_config(source)

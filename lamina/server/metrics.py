@@ -76,6 +76,10 @@ class ServerMetrics:
                                    "low acceptance.", labels, registry=r)
         self._spec_seen = [0, 0, 0, 0]
         self._spec_pos_seen: list[int] = []
+        self.ep_routed = Counter("lamina:expert_parallel_routed_tokens", "(token, expert) pairs routed to each "
+                                 "expert-parallel rank's experts, summed over MoE layers.", labels + ["rank"],
+                                 registry=r)
+        self._ep_seen: list[int] = []
         self.http_errors = Counter("lamina:http_errors", "Error responses sent, by status code.",
                                    labels + ["status"], registry=r)
         self.ttft = Histogram("lamina:time_to_first_token_seconds", "Time to first token.", labels,
@@ -160,6 +164,7 @@ class ServerMetrics:
             self.step_failures.labels(m).inc(stats.num_step_failures - self._step_failures_seen)
             self._step_failures_seen = stats.num_step_failures
         self._spec(stats)
+        self._expert_load(stats)
         for v in it.time_to_first_tokens:
             self.ttft.labels(m).observe(v)
         for v in it.inter_token_latencies:
@@ -174,6 +179,16 @@ class ServerMetrics:
                             (self.decode_time, f.decode_time), (self.inference_time, f.inference_time)):
                 if v is not None:
                     hist.labels(m).observe(v)
+
+    def _expert_load(self, stats: EngineStats) -> None:
+        routed = stats.expert_parallel_routed_tokens
+        if not routed:
+            return
+        seen = self._ep_seen or [0] * len(routed)
+        for rank, (now, before) in enumerate(zip(routed, seen)):
+            if now > before:
+                self.ep_routed.labels(self._model, str(rank)).inc(now - before)
+        self._ep_seen = list(routed)
 
     def on_request(self, n: int, max_tokens: int | None) -> None:
         """A request the server added to the engine (its parameters, as vLLM's request_params_*)."""

@@ -2,7 +2,11 @@
 sum over experts folded into the down projection, for at most MAX_TOKENS tokens on CUDA with dense router
 and expert weights and softmax top-k routing. Everything else (CPU, prefill-sized batches, quantized experts,
 tensor-parallel router, DeepSeek's grouped routing) keeps the layer's unfused path. LAMINA_FUSED_MOE_DECODE=0
-switches the fused path off."""
+switches the fused path off.
+
+Expert parallelism (parallel/expert_parallel.py's EPExperts): only the routing launch is shared; the format
+then maps the global ids to its local experts and runs its own per-pair kernels and all-reduce (the folded
+down+sum kernel reads experts by global id)."""
 from __future__ import annotations
 
 import os
@@ -13,6 +17,7 @@ from torch import nn
 from lamina.kernels.dispatch import use_triton
 from lamina.kernels.moe_decode import MAX_TOKENS, RouteCounter, moe_decode
 from lamina.models.weight_formats import DenseExperts, DenseFormat
+from lamina.parallel.expert_parallel import EPExperts
 
 ENV_SWITCH = "LAMINA_FUSED_MOE_DECODE"
 
@@ -26,8 +31,9 @@ def fused_decode(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if getattr(layer, "grouped", False):  # the kernel routes softmax top-k only
         return None
     gate, experts = layer.gate, layer.experts
+    ep = isinstance(experts.format, EPExperts)
     if type(gate.format) is not DenseFormat or gate.format.partition is not None or gate.bias is not None or \
-            type(experts.format) is not DenseExperts:
+            not (ep or type(experts.format) is DenseExperts):
         return None
     w13, w2 = experts.gate_up_proj, experts.down_proj
     if not (x.dtype == gate.weight.dtype == w13.dtype == w2.dtype) or gate.weight.stride(-1) != 1 or \
@@ -36,4 +42,13 @@ def fused_decode(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     counter = getattr(layer, "route_counter", None)
     if not isinstance(counter, RouteCounter):
         return None
+    if ep:
+        cnt = counter.get(x.device)
+        if cnt is None:
+            return None
+        from lamina.kernels.triton_moe_decode import route_triton
+
+        weights, ids = route_triton(x if x.stride(-1) == 1 else x.contiguous(), gate.weight, layer.top_k,
+                                    layer.renormalize, layer.shared_fused, cnt)
+        return experts(x, weights, ids)
     return moe_decode(x, gate.weight, w13, w2, layer.top_k, layer.renormalize, layer.shared_fused, counter)
