@@ -25,6 +25,11 @@ class EngineStats:
     # Speculation paused for low acceptance (spec/adaptive.py): sequences paused now, and pauses so far.
     num_spec_paused: int = 0
     num_spec_pauses: int = 0
+    # Speculation off batch-wide for low acceptance across the batch (spec/adaptive.py BatchGate): now, and
+    # how many times so far; steps without drafting for disable_by_batch_size.
+    spec_batch_paused: bool = False
+    num_spec_batch_pauses: int = 0
+    num_spec_batch_size_skips: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -45,4 +50,7 @@ def engine_stats(engine) -> EngineStats:
                                                  if spec is not None else ()),
                        num_preemptions=engine.scheduler.num_preemptions,
                        num_spec_paused=engine.spec.gate.num_paused if engine.spec is not None else 0,
-                       num_spec_pauses=engine.spec.gate.num_pauses if engine.spec is not None else 0)
+                       num_spec_pauses=engine.spec.gate.num_pauses if engine.spec is not None else 0,
+                       spec_batch_paused=engine.spec.batch_paused if engine.spec is not None else False,
+                       num_spec_batch_pauses=engine.spec.batch_gate.num_pauses if engine.spec is not None else 0,
+                       num_spec_batch_size_skips=engine.spec.num_batch_size_skips if engine.spec is not None else 0)
