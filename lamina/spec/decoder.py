@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lamina.engine.request import SeqStatus, Sequence
 import numpy as np
 
+from lamina.engine.request import SeqStatus, Sequence
 from lamina.spec.adaptive import AcceptanceGate, BatchGate, GateSettings
 from lamina.spec.config import SpeculativeConfig
 from lamina.spec.proposer import Proposer
