@@ -12,9 +12,10 @@ BatchGate does the same for the whole batch (speculation off for every sequence,
 each verify step's accepted / proposed drafts over all its sequences; below `min_acceptance_rate` after
 `min_verifies` such steps, no sequence drafts for `probe_interval` engine steps, doubled after each probe that
 finds acceptance still low (up to `max_backoff` times), so an acceptance that stays at 0 costs a few verify
-steps per long stretch of plain, overlapped decode steps. A sequence the proposer had nothing for counts as
-proposed-and-rejected (a drafter that never matches is as useless as one that is always wrong, and its
-sequences are what keeps the step loop from overlapping).
+steps per long stretch of plain, overlapped decode steps. For the per-sequence gate, a proposal that came back
+empty counts as K rejected drafts (a drafter that never matches a sequence is as useless there as one that is
+always wrong, and such a sequence keeps the step loop from overlapping); the batch gate judges verified drafts
+only (n-gram lookup that finds nothing for some sequences must not turn speculation off for the others).
 """
 from __future__ import annotations
 

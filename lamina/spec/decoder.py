@@ -46,7 +46,7 @@ class SpecDecoder:
         # (spec/adaptive.py).
         settings = GateSettings(config.min_acceptance_rate, config.probe_interval)
         self.gate, self.batch_gate = AcceptanceGate(settings), BatchGate(settings)
-        self._step = [0, 0]  # drafts proposed (or proposals that came back empty, as K) and accepted this step
+        self._step = [0, 0]  # drafts verified and accepted this step (for the batch-wide gate)
         self.num_batch_size_skips = 0  # steps without drafting for disable_by_batch_size
         # Bench only (replay's forced acceptance): the proposer decides each verify step's accepted count.
         self.forced = bool(getattr(proposer, "forced", False))
@@ -140,4 +140,3 @@ class SpecDecoder:
             seq.draft_token_ids = list(drafts[:self.k])
             if not seq.draft_token_ids:  # nothing to propose: as useless as K wrong drafts (spec/adaptive.py)
                 self.gate.record(seq.seq_id, self.k, 0)
-                self._step[0] += self.k

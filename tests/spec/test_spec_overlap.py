@@ -76,7 +76,8 @@ def test_drafter_that_never_matches_turns_off(checkpoints, plain):
     seen = _count_syncs(llm)
     assert outputs(llm, ps, GREEDY64) == ref
     st = llm.engine.stats()
-    assert st.num_spec_drafts == 0 and st.num_spec_pauses == len(ps) and st.num_spec_batch_pauses >= 1
+    # each sequence pauses itself (the batch gate judges verified drafts only: there are none)
+    assert st.num_spec_drafts == 0 and st.num_spec_pauses == len(ps) and st.num_spec_batch_pauses == 0
     assert seen["verify"] == 0 and seen["sync"] <= 8 and seen["overlapped"] >= 50
     assert all_free(llm)
 
