@@ -384,6 +384,7 @@ class LLMEngine(StepReadback):
                 or (self.spec is not None and self.spec.drafts_next([s for s, _, _ in sampled])))
         accepted = None
         if verify:
-            accepted = accepted_on_device(draws.token_ids, sampled, self.spec.forced_counts(sampled))
+            forced = self.spec.forced_counts(sampled) if self.spec is not None else None
+            accepted = accepted_on_device(draws.token_ids, sampled, forced)
         return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None,
                         accepted)
