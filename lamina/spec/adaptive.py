@@ -12,9 +12,9 @@ BatchGate does the same for the whole batch (speculation off for every sequence,
 each verify step's accepted / proposed drafts over all its sequences; below `min_acceptance_rate` after
 `min_verifies` such steps, no sequence drafts for `probe_interval` engine steps, doubled after each probe that
 finds acceptance still low (up to `max_backoff` times), so an acceptance that stays at 0 costs a few verify
-steps per long stretch of plain, overlapped decode steps. For the per-sequence gate, a proposal that came back
-empty counts as K rejected drafts (a drafter that never matches a sequence is as useless there as one that is
-always wrong, and such a sequence keeps the step loop from overlapping); the batch gate judges verified drafts
+steps per long stretch of plain, overlapped decode steps. For the per-sequence gate, `max_empty` proposals in a row
+that came back empty pause it too (a drafter that never matches a sequence keeps the step loop from overlapping
+for nothing; n-gram lookup often finds nothing for the first tokens and then matches, hence a run of them); the batch gate judges verified drafts
 only (n-gram lookup that finds nothing for some sequences must not turn speculation off for the others).
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ class GateSettings:
     probe_interval: int = 64  # decode steps a paused sequence runs without drafts
     min_verifies: int = 4  # verify steps before the average may pause a sequence
     alpha: float = 0.3  # weight of the newest verify step in the average
+    max_empty: int = 16  # proposals in a row that came back empty before a sequence pauses
 
 
 @dataclass
@@ -39,6 +40,7 @@ class _SeqGate:
     ewma: float | None = None
     verifies: int = 0
     paused_for: int = 0  # decode steps left without drafts
+    empty: int = 0  # proposals in a row that came back empty
 
 
 class AcceptanceGate:
@@ -81,6 +83,16 @@ class AcceptanceGate:
         self.maybe_log()
         return out
 
+    def record_empty(self, seq_id: int) -> None:
+        """The proposer had nothing for the sequence this step; max_empty of those in a row pause it."""
+        if not self.enabled:
+            return
+        g = self._seqs.setdefault(seq_id, _SeqGate())
+        g.empty += 1
+        if g.empty >= self.settings.max_empty:
+            g.paused_for, g.empty = self.settings.probe_interval, 0
+            self.num_pauses += 1
+
     def would_allow(self, seq_id: int) -> bool:
         """Whether the sequence's next allow() lets it draft (it does not move its count)."""
         g = self._seqs.get(seq_id)
@@ -92,6 +104,7 @@ class AcceptanceGate:
             return
         s = self.settings
         g = self._seqs.setdefault(seq_id, _SeqGate())
+        g.empty = 0
         rate = num_accepted / num_drafts
         g.ewma = rate if g.ewma is None else g.ewma + s.alpha * (rate - g.ewma)
         g.verifies += 1

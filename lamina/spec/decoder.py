@@ -138,5 +138,5 @@ class SpecDecoder:
             return
         for seq, drafts in zip(seqs, self.proposer.propose(seqs, self.k)):
             seq.draft_token_ids = list(drafts[:self.k])
-            if not seq.draft_token_ids:  # nothing to propose: as useless as K wrong drafts (spec/adaptive.py)
-                self.gate.record(seq.seq_id, self.k, 0)
+            if not seq.draft_token_ids:  # nothing to propose: a run of these pauses it (spec/adaptive.py)
+                self.gate.record_empty(seq.seq_id)

@@ -78,7 +78,8 @@ def test_drafter_that_never_matches_turns_off(checkpoints, plain):
     st = llm.engine.stats()
     # each sequence pauses itself (the batch gate judges verified drafts only: there are none)
     assert st.num_spec_drafts == 0 and st.num_spec_pauses == len(ps) and st.num_spec_batch_pauses == 0
-    assert seen["verify"] == 0 and seen["sync"] <= 8 and seen["overlapped"] >= 50
+    # max_empty (16) empty proposals in a row read back at once, then overlapped steps
+    assert seen["verify"] == 0 and seen["sync"] <= 20 and seen["overlapped"] >= 40
     assert all_free(llm)
 
 
