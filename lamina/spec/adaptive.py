@@ -12,10 +12,11 @@ BatchGate does the same for the whole batch (speculation off for every sequence,
 each verify step's accepted / proposed drafts over all its sequences; below `min_acceptance_rate` after
 `min_verifies` such steps, no sequence drafts for `probe_interval` engine steps, doubled after each probe that
 finds acceptance still low (up to `max_backoff` times), so an acceptance that stays at 0 costs a few verify
-steps per long stretch of plain, overlapped decode steps. For the per-sequence gate, `max_empty` proposals in a row
-that came back empty pause it too (a drafter that never matches a sequence keeps the step loop from overlapping
-for nothing; n-gram lookup often finds nothing for the first tokens and then matches, hence a run of them); the batch gate judges verified drafts
-only (n-gram lookup that finds nothing for some sequences must not turn speculation off for the others).
+steps per long stretch of plain, overlapped decode steps. For the per-sequence gate, `max_empty` proposals
+in a row that came back empty pause it too (a drafter that never matches a sequence keeps the step loop from
+overlapping for nothing; n-gram lookup often finds nothing for the first tokens and then matches, hence a run
+of them); the batch gate judges verified drafts only (n-gram lookup that finds nothing for some sequences must
+not turn speculation off for the others).
 """
 from __future__ import annotations
 
