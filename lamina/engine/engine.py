@@ -115,10 +115,6 @@ class LLMEngine(StepReadback):
         self.in_flight: InFlight | None = None  # the launched step whose tokens are not read back yet
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
-        if self.spec is not None:
-            # Drafts follow a sequence's last token, so it must be known before the next step is built: every
-            # step is read back at once (a verify step is anyway).
-            self.async_scheduling = False
         if self.device.type == "cuda" if config.warmup is None else config.warmup:
             warm_up(self)
             timer.phase("warm-up")
@@ -387,10 +383,16 @@ class LLMEngine(StepReadback):
                 # it gets is known only when read back.
                 sampled.append((seq, seq.num_tokens, item.num_sampled))
                 seq.token_ids.append(PENDING)
-        # A verify step must be read back before the sequence's next positions are known. (Penalties need no
-        # sync: the next step's sampler reads a history token still in flight from these draws.)
+        # A verify step must be read back before the sequence's next positions are known, and so must a step
+        # whose sequences may draft next (drafts follow the last token); a step where speculation is paused
+        # for all of them overlaps as without it. (Penalties need no sync: the next step's sampler reads a
+        # history token still in flight from these draws.)
         verify = any(n > 1 for _, _, n in sampled)
-        sync = not self.async_scheduling or verify
-        accepted = accepted_on_device(draws.token_ids, sampled) if verify else None
+        sync = (not self.async_scheduling or verify
+                or (self.spec is not None and self.spec.drafts_next([s for s, _, _ in sampled])))
+        accepted = None
+        if verify:
+            forced = self.spec.forced_counts(sampled) if self.spec is not None else None
+            accepted = accepted_on_device(draws.token_ids, sampled, forced)
         return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None,
                         accepted)

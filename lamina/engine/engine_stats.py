@@ -28,6 +28,11 @@ class EngineStats:
     # Expert parallelism (parallel/expert_parallel.py): (token, expert) pairs routed to each rank's experts,
     # summed over the MoE layers since start-up (read without a host sync: may lag by a step on CUDA).
     expert_parallel_routed_tokens: list[int] | None = None
+    # Speculation off batch-wide for low acceptance across the batch (spec/adaptive.py BatchGate): now, and
+    # how many times so far; steps without drafting for disable_by_batch_size.
+    spec_batch_paused: bool = False
+    num_spec_batch_pauses: int = 0
+    num_spec_batch_size_skips: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -49,6 +54,9 @@ def engine_stats(engine) -> EngineStats:
                        num_preemptions=engine.scheduler.num_preemptions,
                        num_spec_paused=engine.spec.gate.num_paused if engine.spec is not None else 0,
                        num_spec_pauses=engine.spec.gate.num_pauses if engine.spec is not None else 0,
+                       spec_batch_paused=engine.spec.batch_paused if engine.spec is not None else False,
+                       num_spec_batch_pauses=engine.spec.batch_gate.num_pauses if engine.spec is not None else 0,
+                       num_spec_batch_size_skips=engine.spec.num_batch_size_skips if engine.spec is not None else 0,
                        expert_parallel_routed_tokens=_routed(engine))
 
 

@@ -38,8 +38,10 @@ class StepReadback:
             tokens = result.token_ids[row0:row]
             if n > 1:  # the first accepted[i] drafts stood (spec/accept.py); the row after them is the model's
                 a = accepted[i]
+                # The accepted drafts equal the draws at their rows, except under the bench's forced acceptance
+                # (spec/replay.py), where the output follows the drafts.
+                tokens = seq.draft_token_ids[:a] + tokens[a:a + 1]
                 seq.draft_token_ids = []
-                tokens = tokens[:a + 1]
                 seq.num_computed_tokens -= n - 1 - a  # the rejected drafts' KV is overwritten later
                 self.scheduler.trim(seq)  # blocks holding only rejected positions go back to the pool
                 seq.token_ids[idx + 1:idx + 1] = [PENDING] * a

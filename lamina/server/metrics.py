@@ -74,7 +74,12 @@ class ServerMetrics:
                                  "low acceptance (probed again later).", labels, registry=r)
         self.spec_pauses = Counter("lamina:spec_decode_num_pauses", "Times a sequence's drafting was paused for "
                                    "low acceptance.", labels, registry=r)
-        self._spec_seen = [0, 0, 0, 0]
+        self.spec_batch_paused = Gauge("lamina:spec_decode_batch_paused", "1 while speculation is off batch-wide "
+                                       "for low acceptance across the batch (probed again later).", labels,
+                                       registry=r)
+        self.spec_batch_pauses = Counter("lamina:spec_decode_num_batch_pauses", "Times speculation turned off "
+                                         "batch-wide for low acceptance.", labels, registry=r)
+        self._spec_seen = [0, 0, 0, 0, 0]
         self._spec_pos_seen: list[int] = []
         self.ep_routed = Counter("lamina:expert_parallel_routed_tokens", "(token, expert) pairs routed to each "
                                  "expert-parallel rank's experts, summed over MoE layers.", labels + ["rank"],
@@ -202,9 +207,11 @@ class ServerMetrics:
     def _spec(self, stats: EngineStats) -> None:
         m = self._model
         totals = [stats.num_spec_drafts, stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens,
-                  stats.num_spec_pauses]
+                  stats.num_spec_pauses, stats.num_spec_batch_pauses]
         self.spec_paused.labels(m).set(stats.num_spec_paused)
-        for i, counter in enumerate((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_pauses)):
+        self.spec_batch_paused.labels(m).set(int(stats.spec_batch_paused))
+        for i, counter in enumerate((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_pauses,
+                                     self.spec_batch_pauses)):
             if totals[i] > self._spec_seen[i]:
                 counter.labels(m).inc(totals[i] - self._spec_seen[i])
                 self._spec_seen[i] = totals[i]

@@ -41,9 +41,18 @@ def count_accepted(tokens: torch.Tensor, row_draft: torch.Tensor, row_seq: torch
     return out.scatter_reduce_(0, row_seq, stop, reduce="amin")
 
 
-def accepted_on_device(tokens: torch.Tensor, sampled: list[tuple[Sequence, int, int]]) -> torch.Tensor:
-    """count_accepted for a step's sampled rows (tokens: the step's draws, on the device)."""
+def accepted_on_device(tokens: torch.Tensor, sampled: list[tuple[Sequence, int, int]],
+                       forced: np.ndarray | None = None) -> torch.Tensor:
+    """count_accepted for a step's sampled rows (tokens: the step's draws, on the device).
+
+    forced (bench only: the replay proposer's forced acceptance): per sampled sequence the accepted count to
+    report instead (at most its drafts). The count is still computed, so the device runs the same work as a
+    real verify step; only which count stands changes (the engine then keeps the drafts, not the draws)."""
     row_draft, row_seq, row_off = verify_rows(sampled)
     dev = tokens.device
-    return count_accepted(tokens, torch.from_numpy(row_draft).to(dev), torch.from_numpy(row_seq).to(dev),
-                          torch.from_numpy(row_off).to(dev), len(sampled))
+    counted = count_accepted(tokens, torch.from_numpy(row_draft).to(dev), torch.from_numpy(row_seq).to(dev),
+                             torch.from_numpy(row_off).to(dev), len(sampled))
+    if forced is None:
+        return counted
+    override = torch.from_numpy(np.asarray(forced, np.int64)).to(dev)
+    return torch.where(override >= 0, override, counted)

@@ -42,7 +42,7 @@ def build_spec_decoder(config: SpeculativeConfig | None, engine: LLMEngine) -> S
 
         # the model's vocabulary, not the lm_head's padded rows: a wrong draft must still embed
         return SpecDecoder(config, ReplayProposer(config.acceptance_prob, engine.model_config.vocab_size,
-                                                  config.seed))
+                                                  config.seed, forced=config.forced))
     raise ValueError(f"speculative_config: method {config.method!r} is not implemented in this build yet")
 
 

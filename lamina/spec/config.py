@@ -19,11 +19,13 @@ _OPTIONS = {
     "self_spec": {"skip_layers"},
     "draft_model": {"model"},
     "mtp": set(),
-    "replay": {"acceptance_prob", "seed"},
+    "replay": {"acceptance_prob", "seed", "forced"},
 }
 # Options of every method (lamina's own: vLLM has no such gate): drafting pauses per sequence while its
-# acceptance average stays below min_acceptance_rate (0: never), probed again after probe_interval steps.
-_GATE = {"min_acceptance_rate", "probe_interval"}
+# acceptance average stays below min_acceptance_rate (0: never), probed again after probe_interval steps; the
+# batch's average turns it off for every sequence the same way; disable_by_batch_size (vLLM's name): no drafting
+# in a step where more than that many sequences decode (None: no limit).
+_GATE = {"min_acceptance_rate", "probe_interval", "disable_by_batch_size"}
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,13 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the drafter's checkpoint (same tokenizer and vocabulary)
     min_acceptance_rate: float = 0.1  # spec/adaptive.py: pause a sequence's drafting below this (0: never)
     probe_interval: int = 64  # decode steps a paused sequence runs without drafts before drafting again
+    disable_by_batch_size: int | None = None  # no drafting while more than this many sequences decode
     acceptance_prob: float = 0.8  # replay (bench only): each draft is the reference token with this probability
     seed: int = 0  # replay: seed of which drafts are right
+    # replay: forced acceptance. The verify step's accepted count is the proposer's right/wrong decision, not
+    # the target's agreement (the output then follows the drafts): the device work of a real verify step at
+    # acceptance acceptance_prob, whatever the numerics (spec/replay.py).
+    forced: bool = False
     # Set by the bench's parse only: a bench-only method may run (LLM and serve refuse it otherwise).
     bench: bool = field(default=False, compare=False)
 
@@ -95,7 +102,9 @@ def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | Non
     rate = raw.get("min_acceptance_rate", 0.1)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
         raise ValueError(f"speculative_config: min_acceptance_rate must be a number in [0, 1], got {rate!r}")
-    gate = {"min_acceptance_rate": float(rate), "probe_interval": _int(raw, "probe_interval", 64, 1)}
+    gate = {"min_acceptance_rate": float(rate), "probe_interval": _int(raw, "probe_interval", 64, 1),
+            "disable_by_batch_size": (None if raw.get("disable_by_batch_size") is None
+                                      else _int(raw, "disable_by_batch_size", 0, 1))}
     if method == "ngram":
         lo = _int(raw, "prompt_lookup_min", 1, 1)
         hi = _int(raw, "prompt_lookup_max", max(lo, 4), 1)
@@ -122,5 +131,8 @@ def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | Non
         seed = raw.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"speculative_config: seed must be an integer, got {seed!r}")
-        return SpeculativeConfig(method, k, acceptance_prob=float(p), seed=seed, bench=True, **gate)
+        forced = raw.get("forced", False)
+        if not isinstance(forced, bool):
+            raise ValueError(f"speculative_config: forced must be true or false, got {forced!r}")
+        return SpeculativeConfig(method, k, acceptance_prob=float(p), seed=seed, forced=forced, bench=True, **gate)
     return SpeculativeConfig(method, k, **gate)

@@ -11,6 +11,12 @@ drafts an earlier step proposed. Drafts stop at the end of the reference.
 The reference is only right while the run follows it: a sequence whose output leaves the reference (a greedy
 near-tie resolved differently by a verify step's numerics) gets drafts that are almost always wrong after
 that point; `lamina bench` reports how many outputs left the plain run's.
+
+Forced acceptance (`"forced": true`) takes numerics out of it: the verify step's accepted count is this
+proposer's decision (the leading right drafts, `forced_counts`), the output follows the drafts (right or not)
+and the target's token at the first wrong draft, so the device runs exactly a real verify step at acceptance p
+(same K+1 rows, kernels, sampling and rollback of the rejected positions) and acceptance no longer depends on
+the target agreeing. Without a reference for a prompt it still drafts K tokens (after the last token's id).
 """
 from __future__ import annotations
 
@@ -27,10 +33,12 @@ def expected_accepted_per_position(p: float, k: int) -> list[float]:
 
 class ReplayProposer:
     def __init__(self, acceptance_prob: float, vocab: int, seed: int = 0,
-                 reference: dict[tuple[int, ...], list[int]] | None = None) -> None:
-        """reference: prompt token ids -> the continuation to replay (set or filled later by the bench)."""
-        self.p, self.vocab, self.seed = acceptance_prob, vocab, seed
+                 reference: dict[tuple[int, ...], list[int]] | None = None, forced: bool = False) -> None:
+        """reference: prompt token ids -> the continuation to replay (set or filled later by the bench).
+        forced: the accepted count of each verify step is this proposer's decision (forced_counts)."""
+        self.p, self.vocab, self.seed, self.forced = acceptance_prob, vocab, seed, forced
         self.reference: dict[tuple[int, ...], list[int]] = reference if reference is not None else {}
+        self.decided: dict[int, int] = {}  # forced: seq_id -> leading right drafts of its last proposal
 
     def right(self, prompt_key: int, position: int) -> bool:
         """Whether the draft for output position `position` of the prompt hashed `prompt_key` is right."""
@@ -40,11 +48,22 @@ class ReplayProposer:
 
     def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
         out = []
+        self.decided = {}
         for s in seqs:
             prompt = tuple(s.prompt_token_ids)
             ref = self.reference.get(prompt, [])
             n = s.num_output_tokens
             key = zlib.crc32(repr(prompt).encode())
-            drafts = [t if self.right(key, n + j) else (t + 1) % self.vocab for j, t in enumerate(ref[n:n + k])]
-            out.append(drafts)
+            want = ref[n:n + k]
+            if self.forced and len(want) < k:  # any token will do when the count is forced
+                want = want + [(s.token_ids[-1] + 1 + j) % self.vocab for j in range(len(want), k)]
+            right = [self.right(key, n + j) for j in range(len(want))]
+            out.append([t if ok else (t + 1) % self.vocab for t, ok in zip(want, right)])
+            if self.forced:
+                self.decided[s.seq_id] = next((j for j, ok in enumerate(right) if not ok), len(right))
         return out
+
+    def forced_counts(self, sampled: list[tuple[Sequence, int, int]]) -> list[int]:
+        """Forced acceptance: per sampled sequence of a step (InFlight.sampled order), its accepted count: the
+        leading right drafts of its proposal, capped at the drafts the step verified (n - 1)."""
+        return [min(self.decided.get(seq.seq_id, 0), n - 1) for seq, _, n in sampled]

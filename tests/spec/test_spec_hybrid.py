@@ -12,7 +12,9 @@ from spec_helpers import GREEDY64, OracleProposer, make, outputs, spec_prompts, 
 
 from lamina.kernels.gated_delta import recurrent_gated_delta_rule_ref, recurrent_verify_ref
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+# Gates off: on these prompts the lookup finds a draft only late in the output (a run of empty proposals
+# would pause the sequences first, spec/adaptive.py), and these tests need verify steps.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "min_acceptance_rate": 0}
 
 
 @pytest.fixture(scope="module")
