@@ -301,6 +301,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8219)
     ap.add_argument("--sync", action="store_true")
     ap.add_argument("--serve-args", default="", help="extra `lamina serve` arguments")
+    ap.add_argument("--vocab-size", type=int, default=151936, help="the random prompts' token range (the model's)")
     ap.add_argument("--result-file", default=None)
     if sys.argv[1:2] == ["--child"]:  # the server process (the rest is `lamina serve`'s command line)
         sys.exit(_serve_child(sys.argv[4:], sys.argv[2], sys.argv[3] == "1"))
@@ -334,7 +335,7 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "lamina.cli", "bench", "serve", "--base-url",
                        f"http://127.0.0.1:{args.port}", "--num-prompts", str(max(4, args.prompts_per_client * c)),
                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                       "--max-concurrency", str(c), "--vocab-size", "151936", "--num-warmups", "2",
+                       "--max-concurrency", str(c), "--vocab-size", str(args.vocab_size), "--num-warmups", "2",
                        "--disable-tqdm", "--result-file", out] + (["--json-schema", schema] if schema else [])
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 _wait_idle(timing, t0)
