@@ -73,6 +73,16 @@ class PendingFill:
             raise error
 
 
+def _run_here(chunk: list[Job]) -> Future:
+    """The chunk run on this thread, as a done future: its error is kept for wait(), as a worker's is."""
+    f: Future = Future()
+    try:
+        f.set_result(_run(chunk))
+    except Exception as exc:
+        f.set_exception(exc)
+    return f
+
+
 class MaskFiller:
     """Runs a step's fill jobs on `threads` worker threads (made on the first background fill); not
     thread-safe: one caller, one fill at a time (the caller waits for a fill before starting the next)."""
@@ -88,18 +98,13 @@ class MaskFiller:
         if not jobs:
             return PendingFill([])
         if self.threads <= 0 or (not background and len(jobs) < 2 * ROWS_PER_THREAD):
-            _run(jobs)
-            return PendingFill([])
+            return PendingFill([_run_here(jobs)])
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lamina-grammar-fill")
         chunks = chunk_jobs(jobs, self.threads + (0 if background else 1))
         futures = [self._pool.submit(_run, c) for c in (chunks if background else chunks[1:])]
         if not background:  # the caller waits anyway: it fills a share itself
-            try:
-                _run(chunks[0])
-            finally:
-                PendingFill(futures).wait()
-            return PendingFill([])
+            return PendingFill([_run_here(chunks[0]), *futures])
         return PendingFill(futures)
 
     def close(self) -> None:
