@@ -2,10 +2,11 @@
 the step and runs (or launches) its forward.
 
 xgrammar's single-matcher fill releases the interpreter lock while it works; its batch fill
-(BatchGrammarMatcher) holds it for the whole call (measured: a Python thread made no progress during a 4 ms
-batch fill of 256 rows) and ran its own threads, which spun on every core of the H200 host (99.6 s of CPU
-in an 8 s run, BENCHMARKS.md). So the rows are split into a few chunks, each filled row by row on a plain
-thread pool whose idle threads sleep.
+(BatchGrammarMatcher, 0.2.9) holds it for the whole call (measured: another Python thread made no progress
+during a 4 ms batch fill of 256 rows), so it could not overlap the Python that builds the step, and its
+own threads were the suspects for the H200 core process's 99.6 s of CPU in an 8 s run (BENCHMARKS.md). So
+the rows are split into a few chunks, each filled row by row on a plain thread pool whose idle threads
+sleep.
 
 Threads: LAMINA_GRAMMAR_FILL_THREADS (default min(8, usable cores // 2), at least 1); 0 fills on the
 calling thread only (no overlap). A chunk has at least ROWS_PER_THREAD rows: a few rows are one job.
