@@ -9,7 +9,8 @@ the rows are split into a few chunks, each filled row by row on a plain thread p
 sleep.
 
 Threads: LAMINA_GRAMMAR_FILL_THREADS (default min(8, usable cores // 2), at least 1); 0 fills on the
-calling thread only (no overlap). A chunk has at least ROWS_PER_THREAD rows: a few rows are one job.
+calling thread only (no overlap). A chunk has at least ROWS_PER_THREAD rows; fewer rows than that are
+filled on the calling thread at once (the hand-off costs more than it hides).
 """
 from __future__ import annotations
 
@@ -94,11 +95,13 @@ class MaskFiller:
 
     def start(self, jobs: list[Job], background: bool = True) -> PendingFill:
         """Starts the jobs: on the worker threads when background (and threads > 0), else on this thread
-        across the workers for many rows, or right here for few (the caller waits at once: no hand-off
-        for what one thread does quickly)."""
+        across the workers for many rows; right here for few (fewer than ROWS_PER_THREAD in the background,
+        2 x that when the caller waits at once): no hand-off for what one thread does quickly."""
         if not jobs:
             return PendingFill([])
-        if self.threads <= 0 or (not background and len(jobs) < 2 * ROWS_PER_THREAD):
+        # Few rows are filled right here, even for a background fill: handing one row to a thread cost the
+        # step loop ~0.35 ms on the loaded 2-core machine (BENCHMARKS.md), more than the row's fill.
+        if self.threads <= 0 or len(jobs) < (ROWS_PER_THREAD if background else 2 * ROWS_PER_THREAD):
             return PendingFill([_run_here(jobs)])
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lamina-grammar-fill")

@@ -54,6 +54,9 @@ def test_filler_runs_every_job_once_and_reraises(threads, background):
         assert where == {threading.current_thread().name}
     elif background:
         assert threading.current_thread().name not in where
+        where.clear()
+        filler.start([lambda: job(-1)] * (ROWS_PER_THREAD - 1), background).wait()  # few rows: no hand-off
+        assert where == {threading.current_thread().name}
 
     def bad():
         raise RuntimeError("fill failed")
