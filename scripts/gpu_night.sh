@@ -20,7 +20,7 @@ all=("$@")
 sel() { [ ${#all[@]} -eq 0 ] || [[ " ${all[*]} " == *" $1 "* ]]; }
 sel attention && stage attention ${ATT_S:-90} bash -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py tests/kernels/test_triton_graph_attention.py tests/kernels/test_attention_softcap.py 2>&1 | tail -3; python3 scripts/gpu_attention_bench.py --out "$OUT"'
 sel spec && stage spec ${SPEC_S:-130} python3 scripts/gpu_spec_bench.py --only ${SPEC_ONLY:-check_hybrid} --budget-s $(( ${SPEC_S:-130} - 10 ))
-sel structured && stage structured ${ST_S:-150} bash scripts/gpu_vllm.sh structured
+sel structured && stage structured ${ST_S:-270} bash scripts/gpu_vllm.sh structured
 sel families && stage families ${FAM_S:-300} python3 scripts/gpu_families_bench.py --budget-s $(( ${FAM_S:-300} - 10 ))
 # The offline bench's decode step (256 sequences of ~800 tokens, Qwen3-0.6B shape) op by op (issues 12, 13).
 sel prof06 && stage prof06 90 python3 scripts/profile_decode.py --model random:qwen3-0.6b --batch 256 --input-len 800 \

@@ -4,7 +4,8 @@ engine core, loaded by `lamina bench serve` with and without a JSON schema at ea
 The server runs as a child of this script, with CoreProcess patched so the spawned core process wraps the
 engine's phases in timers (nothing in lamina changes): the core loop's own time, the step, the batch build,
 the forward, the sampler (inside it the bitmask apply), reading a step back (that includes waiting for the
-device), the grammars' accept, the bitmask (inside it xgrammar's fill and the host-to-device copy), and per
+device), the grammars' accept, the bitmask (inside it the fill and the host-to-device copy; with the
+overlapped fill its start, the step loop's wait for it and the fill summed over the filler's threads), and per
 request the constraint check, grammar hold/attach and compilation (on the compiler's worker thread). Steps
 are grouped by (constrained or not, sampled rows); the core writes its totals whenever it goes idle, and
 each bench run's share is the difference. It also reads both processes' CPU time (/proc) per run.
@@ -54,7 +55,7 @@ class _Timers:
         self.dirty = False
 
     def wrap(self, owner, name: str, phase: str, per_request: bool = False, sync: bool = False) -> None:
-        fn = getattr(owner, name, None)
+        fn = getattr(owner, name, None) if owner is not None else None
         if fn is None:
             return
         timers = self
@@ -121,9 +122,15 @@ def _install(path: str, sync: bool) -> None:
     t.wrap(eng, "_admit_held", "admit")
     t.wrap(state.GrammarState, "accept", "accept")
     t.wrap(manager.StructuredOutputManager, "bitmask", "bitmask")
+    # The overlapped fill (structured/fill.py): starting it on the step loop, and the step loop's wait for
+    # it (with the host-to-device copies) before sampling; fill_row is summed over the filler's threads, so
+    # fill_row - fill_wait is the part of the fill that overlapped the batch build and the forward.
+    t.wrap(manager.StructuredOutputManager, "start_bitmask", "mask_start")
+    t.wrap(getattr(manager, "PendingMask", None), "result", "mask_result")
+    t.wrap(getattr(manager, "PendingFill", None), "wait", "fill_wait")
     t.wrap(bitmask.BitmaskBuffers, "to_device", "h2d")
     t.wrap(bitmask.BitmaskBuffers, "host", "host_buf")
-    t.wrap(xg.BatchGrammarMatcher, "batch_fill_next_token_bitmask", "fill")
+    t.wrap(getattr(xg, "BatchGrammarMatcher", None), "batch_fill_next_token_bitmask", "fill")
     t.wrap(xg.GrammarMatcher, "fill_next_token_bitmask", "fill_row")
     for name in ("apply_bitmask", "masked_copy"):  # in place, or the device path's one out-of-place pass
         t.wrap(sampler, name, "apply")
@@ -281,10 +288,11 @@ def _report(label: str, steps: dict, tpot: float | None, cpu: dict) -> dict:
     n = agg["steps"]
     phases = {k: agg[k] / n * 1e6 for k in agg if not k.endswith("_n") and k != "steps"}
     order = ["period", "loop", "gc", "step", "prepare", "forward", "sample", "apply", "resolve", "accept",
-             "bitmask", "host_buf", "fill", "fill_row", "h2d", "admit"]
+             "bitmask", "mask_start", "host_buf", "fill", "fill_row", "mask_result", "fill_wait", "h2d", "admit"]
     shown = " ".join(f"{k} {phases[k]:.0f}" for k in order if k in phases)
+    per_tok = f"; core cpu ms/output token {cpu['core_ms_per_token']:.2f}" if cpu.get("core_ms_per_token") else ""
     print(f"{label}: TPOT p50 {tpot if tpot is None else round(tpot, 2)} ms; {int(n)} steps of {key}; "
-          f"us/step: {shown}; cpu s server {cpu['server']:.1f} core {cpu['core']:.1f}", flush=True)
+          f"us/step: {shown}; cpu s server {cpu['server']:.1f} core {cpu['core']:.1f}{per_tok}", flush=True)
     return {"label": label, "tpot_p50_ms": tpot, "shape": key, "steps": n, "us_per_step": phases, "cpu_s": cpu}
 
 
@@ -301,6 +309,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8219)
     ap.add_argument("--sync", action="store_true")
     ap.add_argument("--serve-args", default="", help="extra `lamina serve` arguments")
+    ap.add_argument("--vocab-size", type=int, default=151936, help="the random prompts' token range (the model's)")
     ap.add_argument("--result-file", default=None)
     if sys.argv[1:2] == ["--child"]:  # the server process (the rest is `lamina serve`'s command line)
         sys.exit(_serve_child(sys.argv[4:], sys.argv[2], sys.argv[3] == "1"))
@@ -334,12 +343,15 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "lamina.cli", "bench", "serve", "--base-url",
                        f"http://127.0.0.1:{args.port}", "--num-prompts", str(max(4, args.prompts_per_client * c)),
                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                       "--max-concurrency", str(c), "--vocab-size", "151936", "--num-warmups", "2",
+                       "--max-concurrency", str(c), "--vocab-size", str(args.vocab_size), "--num-warmups", "2",
                        "--disable-tqdm", "--result-file", out] + (["--json-schema", schema] if schema else [])
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 _wait_idle(timing, t0)
                 cpu = {"server": _cpu_seconds(srv.pid) - cpu0["server"], "core": _cpu_seconds(core) - cpu0["core"]}
                 tpot = _tpot(out)
+                tokens = sum(r.get("total_output_tokens", 0) for r in _read(out).get("runs") or [_read(out)])
+                if tokens:  # the core's CPU time per output token (the fill's threads included)
+                    cpu["core_ms_per_token"] = cpu["core"] / tokens * 1e3
                 results.append({"concurrency": c, **_report(f"c={c} {tag}", _diff(_read(timing), before), tpot, cpu)})
         req = _read(timing).get("requests", {})
         print("per request:", {k: round(v * 1e3, 3) if k.endswith("_s") else int(v) for k, v in req.items()},

@@ -38,7 +38,7 @@ from lamina.parallel.workers import start_tensor_parallel
 from lamina.sampling_params import SamplingParams
 from lamina.spec.accept import accepted_on_device
 from lamina.spec.build import build_spec_decoder, load_spec_weights
-from lamina.structured.manager import StructuredOutputManager
+from lamina.structured.manager import StructuredOutputManager, sampled_rows
 
 log = logging.getLogger("lamina")
 
@@ -336,22 +336,43 @@ class LLMEngine(StepReadback):
                     self.scheduler.finish(s)
             touched[group.request_id] = group
 
-    def _launch(self, scheduled: list[ScheduledSeq], touched: dict[str, RequestGroup] | None = None) -> InFlight:
+    def _launch(self, scheduled: list[ScheduledSeq],
+                touched: dict[str, RequestGroup] | None = None) -> InFlight | None:
         """Builds, runs and samples one step. Raises before changing any sequence if the batch, the
-        forward or the sampler fails (so the step can be retried); then commits the step's bookkeeping."""
+        forward or the sampler fails (so the step can be retried); then commits the step's bookkeeping.
+        None: a constrained step read the step in flight back first, and its tokens ended every sequence."""
         prev = self.in_flight
-        batch = self.runner.prepare(scheduled, prev.pending() if prev is not None else None, self.sampler)
-        logits = self.runner.execute(batch)
+        constrained = self.structured.constrains([s.seq for s in scheduled if s.num_sampled])
+        fill, filling = None, False
+        if constrained:  # the mask depends on the tokens of the step in flight (structured/fill.py)
+            if prev is not None and prev.ready():  # on the host already: read back now, at no wait, so the
+                # mask fills on the filler's threads while this step is built and its forward runs
+                self.in_flight = None
+                self._resolve(prev, touched if touched is not None else {})
+                prev = None
+                scheduled = [s for s in scheduled if not s.seq.finished]  # those its tokens stopped
+                if not scheduled:
+                    return None
+            if prev is None:
+                fill, filling = self.structured.start_bitmask(*sampled_rows(scheduled)), True
+        try:
+            batch = self.runner.prepare(scheduled, prev.pending() if prev is not None else None, self.sampler)
+            logits = self.runner.execute(batch)
+        except BaseException:
+            if fill is not None:  # its threads hold the matchers: wait for them before anyone retries
+                fill.cancel()
+            raise
         draws = None
         if batch.sampled:
             mask = None
-            if self.structured.constrains(batch.sampled):
-                # The mask depends on the tokens of the step in flight: read them back now, while this
-                # forward runs (its inputs already took them on the device), then fill the mask on the host.
-                if self.in_flight is not None:
+            if constrained:
+                if not filling:
+                    # Not on the host yet: read them back now, while this forward runs (its inputs already
+                    # took them on the device), then fill the mask here.
                     self.in_flight = None
                     self._resolve(prev, touched if touched is not None else {})
-                mask = self.structured.bitmask(batch.sampled, batch.offsets)
+                    fill = self.structured.start_bitmask(batch.sampled, batch.offsets, background=False)
+                mask = fill.result() if fill is not None else None
             draws = self.sampler.sample(batch.sampled_logits(logits), batch.sampled, batch.sampling, batch.offsets,
                                         bitmask=mask.bitmask if mask is not None else None,
                                         bitmask_rows=mask.rows if mask is not None else None)

@@ -24,6 +24,10 @@ class InFlight:
     # Verify steps: drafts accepted per sampled sequence (same order as `sampled`), counted on the device.
     num_accepted: Any = None
 
+    def ready(self) -> bool:
+        """Its tokens can be read back without waiting for the device (its copy to the host is done)."""
+        return self.copy is None or self.copy[1].query()
+
     def pending(self) -> PendingTokens | None:
         """Where the next step finds the tokens this one samples (they are still on the device)."""
         if self.draws is None:

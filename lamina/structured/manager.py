@@ -2,8 +2,9 @@
 
 The engine asks, per request, whether it must wait for a grammar (hold / ready), and per step whether
 any sampled row is constrained by host state (constrains); if so it reads the step in flight back
-first (its tokens advance the grammars) and gets the step's bitmask from here, filled on the host while
-the forward runs, shipped in one non-blocking copy, applied inside the sampler.
+first (its tokens advance the grammars) and starts the step's bitmask here (start_bitmask), filled on the
+host by the filler's threads (structured/fill.py) while the step is built and its forward runs, shipped in
+one non-blocking copy, applied inside the sampler.
 
 Rows constrained by host state: a grammar (xgrammar matcher), or multi-token bad words (the last token
 of a bad word is banned when the output ends with the rest of it).
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -21,6 +22,7 @@ from lamina.engine.request import RequestGroup, Sequence
 from lamina.sampling_params import SamplingParams
 from lamina.structured.bitmask import BitmaskBuffers
 from lamina.structured.compiler import GrammarCompilerService, build_grammar
+from lamina.structured.fill import MaskFiller, PendingFill
 from lamina.structured.state import GrammarState
 
 log = logging.getLogger("lamina")
@@ -40,6 +42,13 @@ def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
 
 def multi_token_bad_words(params: SamplingParams) -> list[list[int]]:
     return [w for w in params.bad_words_token_ids or [] if len(w) > 1]
+
+
+def sampled_rows(scheduled) -> tuple[list[Sequence], list[int]]:
+    """The sampled rows of a step of `scheduled` (ScheduledSeq items) before it is built, as the runner lays
+    them out (ForwardBatch.sampled, .offsets): each sequence's num_sampled rows in scheduled order."""
+    rows = [item.seq for item in scheduled for _ in range(item.num_sampled)]
+    return rows, [j for item in scheduled for j in range(item.num_sampled)]
 
 
 @dataclass
@@ -71,7 +80,7 @@ class StructuredOutputManager:
         self._compiler = None
         self._held: dict[str, _Held] = {}
         self._buffers = BitmaskBuffers(vocab_size, device)
-        self._batcher = None  # xgrammar's BatchGrammarMatcher, made on the first constrained step
+        self._filler = MaskFiller()  # the fill's threads (LAMINA_GRAMMAR_FILL_THREADS), made on first use
 
     @property
     def compiler(self):
@@ -146,9 +155,16 @@ class StructuredOutputManager:
         return any(s.grammar is not None or multi_token_bad_words(s.params) for s in rows)
 
     def bitmask(self, rows: list[Sequence], offsets: list[int]) -> StepMask | None:
-        """The step's bitmask on the device for the sampled rows that have something to mask (a grammar not
+        """start_bitmask(rows, offsets, background=False).result(): the step's mask, filled now."""
+        pending = self.start_bitmask(rows, offsets, background=False)
+        return pending.result() if pending is not None else None
+
+    def start_bitmask(self, rows: list[Sequence], offsets: list[int], background: bool = True) -> PendingMask | None:
+        """Starts filling the step's bitmask for the sampled rows that have something to mask (a grammar not
         terminated yet, multi-token bad words); None if no row has. The sequences' tokens must all be known
-        (no step in flight)."""
+        (no step in flight). background: the fill runs on the filler's threads while the caller goes on
+        (building and running the forward), and the matchers of these rows are the filler's until result()
+        or cancel(): the caller must not accept tokens or fill again meanwhile."""
         runs = []  # (first row, row count, sequence) of the rows to mask
         r = 0
         while r < len(rows):
@@ -164,44 +180,67 @@ class StructuredOutputManager:
         if not count:
             return None  # nothing to mask: the sampler skips the copy and the apply
         host = self._buffers.host(count)
-        matchers, matcher_rows, logit_rows = [], [], []  # single-row grammars: filled together, over threads
+        jobs, bans, logit_rows = [], [], []  # bans: (row, token) of multi-token bad words, set after the fill
         h = 0
         for r, n, seq in runs:
             logit_rows.extend(range(r, r + n))
-            if seq.grammar is not None and not seq.grammar.terminated:
-                if n == 1:
-                    matchers.append(seq.grammar.matcher)
-                    matcher_rows.append(h)
+            grammar = seq.grammar
+            if grammar is not None and not grammar.terminated:
+                if n == 1:  # one fill_next_token_bitmask call (it releases the interpreter lock)
+                    jobs.append(partial(grammar.matcher.fill_next_token_bitmask, host, h))
                 else:  # a verify run: each row after a draft, so one at a time (accept, fill, roll back)
-                    seq.grammar.fill(host, h, seq.draft_token_ids, n)
+                    jobs.append(partial(grammar.fill, host, h, list(seq.draft_token_ids), n))
             words = multi_token_bad_words(seq.params)
             if words:
+                out = seq.output_token_ids
                 for j in range(n):
-                    _ban_bad_words(host, h + j, seq.output_token_ids + seq.draft_token_ids[:j], words)
+                    bans.extend((h + j, t) for t in _bad_word_bans(out + seq.draft_token_ids[:j], words))
             h += n
-        if len(matchers) == 1:  # one row: the matcher's own fill. Through the batch fill one row took 0.94 ms
-            # on the H200 host (thread hand-off), one direct fill 36 us (scripts/structured_cost.py).
-            matchers[0].fill_next_token_bitmask(host, matcher_rows[0])
-        elif matchers:
-            self._batch_matcher().batch_fill_next_token_bitmask(matchers, host, matcher_rows)
-        every = count == len(rows)
-        return StepMask(self._buffers.to_device(host), None if every else self._buffers.rows_to_device(logit_rows),
-                        logit_rows)
+        return PendingMask(self, host, logit_rows, count == len(rows), self._filler.start(jobs, background), bans)
 
-    def _batch_matcher(self):
-        # One fill is 4-40 us per row (36 us on the H200 host with the bench schema): 64 rows one after the
-        # other took 2.3 ms of a 2.3 ms decode step (scripts/structured_cost.py). xgrammar's batch fill
-        # spreads the rows over threads, outside the interpreter lock.
-        if self._batcher is None:
-            import xgrammar as xg
-
-            self._batcher = xg.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
-        return self._batcher
+    def close(self) -> None:
+        """Stops the fill threads (they are made again if needed)."""
+        self._filler.close()
 
 
-def _ban_bad_words(host: torch.Tensor, row: int, output: list[int], words: list[list[int]]) -> None:
+class PendingMask:
+    """A step's bitmask being filled on the host. result() waits for the fill, bans the bad words' tokens and
+    starts the host-to-device copies; cancel() only waits (a step that failed before sampling)."""
+
+    def __init__(self, manager: StructuredOutputManager, host: torch.Tensor, logit_rows: list[int], every: bool,
+                 fill: PendingFill, bans: list[tuple[int, int]]) -> None:
+        self._buffers = manager._buffers
+        self.host, self.logit_rows, self.every = host, logit_rows, every
+        self._fill, self._bans = fill, bans
+
+    def result(self) -> StepMask:
+        self._fill.wait()
+        for row, t in self._bans:  # after the fill, which writes whole rows
+            _ban(self.host, row, t)
+        rows = None if self.every else self._buffers.rows_to_device(self.logit_rows)
+        return StepMask(self._buffers.to_device(self.host), rows, self.logit_rows)
+
+    def cancel(self) -> None:
+        try:
+            self._fill.wait()
+        except Exception:  # the step failed already; its own error is the one reported
+            pass
+
+
+def _bad_word_bans(output: list[int], words: list[list[int]]) -> list[int]:
+    """The last tokens of the bad words whose other tokens end `output`."""
+    out = []
     for w in words:
         prefix = w[:-1]
         if len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix:
-            t = w[-1]
-            host[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+            out.append(w[-1])
+    return out
+
+
+def _ban(host: torch.Tensor, row: int, t: int) -> None:
+    host[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+
+
+def _ban_bad_words(host: torch.Tensor, row: int, output: list[int], words: list[list[int]]) -> None:
+    for t in _bad_word_bans(output, words):
+        _ban(host, row, t)

@@ -1,0 +1,186 @@
+"""The bitmask filled on worker threads while the step is built and its forward runs (structured/fill.py):
+the filler against jobs run in order, the manager's background fill against each matcher filled on its own
+(with multi-token bad words on a grammar row), and the engine's outputs with the fill overlapped equal to
+the fill after the forward and to the synchronous engine (greedy), at batch 1 and 16, mixed batches."""
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+import torch
+
+from lamina import SamplingParams
+from lamina.engine.inflight import InFlight
+from lamina.structured.fill import ROWS_PER_THREAD, MaskFiller, chunk_jobs, default_fill_threads
+from lamina.structured.params import StructuredOutputsParams as SO
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}}}
+
+
+def test_chunks_and_thread_count(monkeypatch):
+    jobs = list(range(50))
+    assert chunk_jobs(jobs, 1) == [jobs]
+    assert chunk_jobs(jobs[:ROWS_PER_THREAD + 1], 8) == [jobs[:ROWS_PER_THREAD + 1]]  # few rows: one job
+    parts = chunk_jobs(jobs, 4)
+    assert len(parts) == 4 and sum(parts, []) == jobs and all(len(p) >= ROWS_PER_THREAD for p in parts)
+    assert chunk_jobs([], 4) == []
+    monkeypatch.setenv("LAMINA_GRAMMAR_FILL_THREADS", "3")
+    assert default_fill_threads() == 3
+    monkeypatch.setenv("LAMINA_GRAMMAR_FILL_THREADS", "-1")
+    with pytest.raises(ValueError, match="LAMINA_GRAMMAR_FILL_THREADS"):
+        default_fill_threads()
+    monkeypatch.delenv("LAMINA_GRAMMAR_FILL_THREADS")
+    assert 1 <= default_fill_threads() <= 8
+
+
+@pytest.mark.parametrize("threads,background", [(0, True), (2, True), (2, False), (3, False)])
+def test_filler_runs_every_job_once_and_reraises(threads, background):
+    filler = MaskFiller(threads)
+    seen, where = [], set()
+    lock = threading.Lock()
+
+    def job(i):
+        with lock:
+            seen.append(i)
+            where.add(threading.current_thread().name)
+
+    filler.start([lambda i=i: job(i) for i in range(40)], background).wait()
+    assert sorted(seen) == list(range(40))
+    if threads == 0:
+        assert where == {threading.current_thread().name}
+    elif background:
+        assert threading.current_thread().name not in where
+        where.clear()
+        filler.start([lambda: job(-1)] * (ROWS_PER_THREAD - 1), background).wait()  # few rows: no hand-off
+        assert where == {threading.current_thread().name}
+
+    def bad():
+        raise RuntimeError("fill failed")
+
+    pending = filler.start([bad] + [lambda: None] * 20, background)
+    with pytest.raises(RuntimeError, match="fill failed"):
+        pending.wait()
+    filler.close()
+
+
+def _tokenizer():
+    from lamina.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_source
+
+    return load_tokenizer(resolve_source(DEFAULT_MODEL))
+
+
+def test_background_fill_equals_each_matcher_and_keeps_bad_words():
+    """20 single-row grammars (two chunks on two threads), a verify run, and a grammar row that also has a
+    multi-token bad word: the mask is each matcher's own fill, with the bad word's last token banned too."""
+    pytest.importorskip("xgrammar")
+    from lamina.structured.manager import StructuredOutputManager
+    from lamina.structured.state import GrammarState
+
+    tok = _tokenizer()
+    mgr = StructuredOutputManager(tok, len(tok), [tok.eos_token_id], torch.device("cpu"))
+    mgr._filler = MaskFiller(2)
+    compiled = mgr.compiler.compile(SO(json={"type": "object", "properties": {"a": {"type": "string"}},
+                                             "required": ["a"]}))
+    texts = ['{"a": "x', '{"a', "", '{"a": "yz'] * 5
+    seqs = []
+    for text in texts:
+        st = GrammarState(compiled)
+        for t in tok(text, add_special_tokens=False).input_ids:
+            assert st.accept(t)
+        seqs.append(SimpleNamespace(grammar=st, finished=False, draft_token_ids=[], params=SamplingParams(),
+                                    output_token_ids=[]))
+    inside = seqs[0]  # inside a string: nearly every token allowed, so a ban shows
+    out = tok(' hello', add_special_tokens=False).input_ids
+    word = out + [tok(' world', add_special_tokens=False).input_ids[0]]
+    inside.params = SamplingParams(bad_words=["x"])
+    inside.params.bad_words_token_ids = [word]
+    inside.output_token_ids = list(out)
+    verify = seqs[1]
+    verify.draft_token_ids = tok('": "', add_special_tokens=False).input_ids[:2]
+    rows = [seqs[0], verify, verify, verify] + seqs[2:]
+    offsets = [0, 0, 1, 2] + [0] * (len(seqs) - 2)
+    pending = mgr.start_bitmask(rows, offsets, background=True)
+    got = pending.result().bitmask.clone()
+    want = torch.full((len(rows), got.shape[1]), -1, dtype=torch.int32)
+    inside.grammar.matcher.fill_next_token_bitmask(want, 0)
+    verify.grammar.fill(want, 1, verify.draft_token_ids, 3)
+    for i, seq in enumerate(seqs[2:]):
+        seq.grammar.matcher.fill_next_token_bitmask(want, 4 + i)
+    last = word[-1]
+    assert want[0, last // 32] >> (last % 32) & 1  # the grammar allows it ...
+    want[0, last // 32] &= ~(1 << (last % 32)) if last % 32 != 31 else 0x7FFFFFFF  # ... the bad word does not
+    assert torch.equal(got, want)
+    mgr.close()
+
+
+# ---- the engine: overlapped fill, fill after the forward, synchronous loop ------------------------------
+@pytest.fixture(scope="module")
+def engines():
+    from lamina.config import EngineConfig
+    from lamina.engine.engine import LLMEngine
+    from lamina.models.loader import DEFAULT_MODEL
+
+    def make(async_scheduling):
+        return LLMEngine(EngineConfig(model=DEFAULT_MODEL, dtype="float32", device="cpu", dequantize_gguf=True,
+                                      async_scheduling=async_scheduling), progress=False)
+
+    overlapped = make(True)
+    overlapped.structured._filler = MaskFiller(2)  # 16 rows: two chunks on two threads
+    return overlapped, make(False)
+
+
+def _run(eng, prompts, params_of):
+    from lamina.llm import chat_prompt_ids
+
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), chat_prompt_ids(eng.tokenizer, [{"role": "user", "content": p}]), params_of(i))
+    seqs = {str(i): eng.groups[str(i)].seqs[0] for i in range(len(prompts))}
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        assert steps < 1000
+    assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.scheduler.running
+    return {rid: (s.output_token_ids, s.finish_reason) for rid, s in seqs.items()}
+
+
+@pytest.mark.parametrize("batch,mixed", [(1, False), (16, False), (16, True)])
+def test_overlapped_fill_equals_fill_after_forward_and_sync(engines, monkeypatch, batch, mixed):
+    overlapped, sync = engines
+    prompts = [f"Invent person {i} with a name and an age, as JSON." for i in range(batch)]
+
+    def params_of(i):
+        constrained = not mixed or i % 2 == 0
+        return SamplingParams(temperature=0, max_tokens=40 if constrained else 12,
+                              structured_outputs=SO(json=SCHEMA) if constrained else None)
+
+    early = _run(overlapped, prompts, params_of)  # CPU tokens are always on the host: the fill overlaps
+    monkeypatch.setattr(InFlight, "ready", lambda self: False)  # as a GPU still busy with the step in flight
+    late = _run(overlapped, prompts, params_of)
+    monkeypatch.undo()
+    assert early == late == _run(sync, prompts, params_of)
+    for i, (ids, reason) in enumerate(early.values()):
+        if mixed and i % 2:
+            continue
+        assert reason == "stop", ids
+        jsonschema.validate(json.loads(overlapped.tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
+
+
+def test_overlapped_steps_do_overlap(engines, monkeypatch):
+    """With the async loop on, every constrained step after the first starts its fill before the forward
+    (the early read back), so the fill and the forward run at the same time."""
+    overlapped, _ = engines
+    order = []
+    mgr = overlapped.structured
+    start, execute = mgr.start_bitmask, overlapped.runner.execute
+    monkeypatch.setattr(mgr, "start_bitmask", lambda *a, **k: (order.append(("fill", k.get("background", True))),
+                                                                start(*a, **k))[1])
+    monkeypatch.setattr(overlapped.runner, "execute", lambda b: (order.append(("forward",)), execute(b))[1])
+    _run(overlapped, ["A person as JSON."], lambda i: SamplingParams(temperature=0, max_tokens=20,
+                                                                     structured_outputs=SO(json=SCHEMA)))
+    fills = [i for i, o in enumerate(order) if o[0] == "fill"]
+    assert len(fills) > 5 and all(order[i] == ("fill", True) and order[i + 1] == ("forward",) for i in fills)
