@@ -7,6 +7,8 @@ OUT=${OUT:-./gpu_out}; mkdir -p "$OUT/night"; OUT=$(cd "$OUT" && pwd); N=$OUT/ni
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   > "$N/pip.log" 2>&1 || tail -3 "$N/pip.log"
+# Later calls of one warm machine carry less: what came once is kept in /tmp/keep (outside the repo copy).
+mkdir -p /tmp/keep; [ -d .gpu ] && cp -r .gpu /tmp/keep/; [ -d .gpu ] || ln -s /tmp/keep/.gpu .gpu
 export PYTHONPATH=$PWD:/tmp/site XDG_CACHE_HOME=$PWD/.gpu/xdg
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 stage() {  # name, limit in seconds, command...
@@ -21,7 +23,8 @@ sel() { [ ${#all[@]} -eq 0 ] || [[ " ${all[*]} " == *" $1 "* ]]; }
 sel attention && stage attention ${ATT_S:-90} bash -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py tests/kernels/test_triton_graph_attention.py tests/kernels/test_attention_softcap.py 2>&1 | tail -3; python3 scripts/gpu_attention_bench.py --out "$OUT"'
 sel spec && stage spec ${SPEC_S:-130} python3 scripts/gpu_spec_bench.py --only ${SPEC_ONLY:-check_hybrid} --budget-s $(( ${SPEC_S:-130} - 10 ))
 sel structured && stage structured ${ST_S:-270} bash scripts/gpu_vllm.sh structured
-sel families && stage families ${FAM_S:-300} python3 scripts/gpu_families_bench.py --budget-s $(( ${FAM_S:-300} - 10 ))
+sel families && stage families ${FAM_S:-300} python3 scripts/gpu_families_bench.py --budget-s $(( ${FAM_S:-300} - 10 )) \
+  ${FAM_ONLY:+--only $FAM_ONLY}
 # The offline bench's decode step (256 sequences of ~800 tokens, Qwen3-0.6B shape) op by op (issues 12, 13).
 sel prof06 && stage prof06 90 python3 scripts/profile_decode.py --model random:qwen3-0.6b --batch 256 --input-len 800 \
   --steps 16 --kv-cache-memory-gb 40 --json "$N/prof06/profile_qwen3_06b_b256.json"

@@ -13,6 +13,7 @@ the same workload). Exit 1 when tokens differ or the delta exceeds 1e-3.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -28,7 +29,8 @@ def run(preset: str, dtype: str, eager: bool, prompts: list[list[int]], max_toke
 
     torch.manual_seed(0)  # random: presets draw their weights from the global generator: the same twice
     llm = LLM(model=f"random:{preset}", dtype=dtype, device="cuda", progress=False, enforce_eager=eager,
-              max_num_batched_tokens=budget, max_num_seqs=len(prompts), enable_prefix_caching=False)
+              max_num_batched_tokens=budget, max_num_seqs=len(prompts), enable_prefix_caching=False,
+              kv_cache_memory_gb=4)  # a fixed pool: four engines in one process, each sized alike
     keys: list[tuple[int, bool]] = []
     graphs = llm.engine.runner.graphs
     if graphs is not None:
@@ -51,7 +53,11 @@ def run(preset: str, dtype: str, eager: bool, prompts: list[list[int]], max_toke
     wall = time.perf_counter() - t0
     toks = [o.outputs[0].token_ids for o in outs]
     lps = [[o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(o.outputs[0].token_ids)] for o in outs]
-    del llm
+    if graphs is not None:
+        graphs.pick = pick  # breaks the graphs -> recorded -> pick -> graphs cycle, so `del` frees the engine
+    llm.engine.close()
+    del llm, graphs
+    gc.collect()
     torch.cuda.empty_cache()
     return {"tokens": toks, "logprobs": lps, "wall_s": wall, "mixed_keys": sorted({t for t, d in keys if not d}),
             "decode_keys": sorted({t for t, d in keys if d}), "graph_steps": len(keys)}
