@@ -25,6 +25,14 @@ sel spec && stage spec ${SPEC_S:-130} python3 scripts/gpu_spec_bench.py --only $
 sel structured && stage structured ${ST_S:-270} bash scripts/gpu_vllm.sh structured
 sel families && stage families ${FAM_S:-300} python3 scripts/gpu_families_bench.py --budget-s $(( ${FAM_S:-300} - 10 )) \
   ${FAM_ONLY:+--only $FAM_ONLY}
+# Issue 15's kernel targets (batch-1 decode FP8 / W4A16 / Q4_K vs bf16, FP8 prefill MFU, FP8 KV attention,
+# quantized MoE GEMMs, then 256-request offline throughput bf16 vs FP8 if the budget has room).
+sel quant && stage quant ${QT_S:-300} python3 scripts/quant_targets.py --throughput --budget $(( ${QT_S:-300} - 10 ))
+# The two perplexity rows the 2026-12-02 call had no budget for (needs $LAMINA_SMOLLM2_GGUF: the GGUF in parts).
+sel qrows && stage qrows ${QR_S:-150} python3 scripts/gpu_quant_quality.py --budget $(( ${QR_S:-150} - 10 )) \
+  --only fp32,int4-gptq-g32-mse,int4-gptq-g32-in-order
+# DeepSeek (MLA) mixed steps through captured graphs == eager; its cold Triton compile alone ran past 90 s.
+sel mla && stage mla ${MLA_S:-180} python3 scripts/mla_graph_check.py --json "$N/mla/mla-graph.json"
 # The offline bench's decode step (256 sequences of ~800 tokens, Qwen3-0.6B shape) op by op (issues 12, 13).
 sel prof06 && stage prof06 90 python3 scripts/profile_decode.py --model random:qwen3-0.6b --batch 256 --input-len 800 \
   --steps 16 --kv-cache-memory-gb 40 --json "$N/prof06/profile_qwen3_06b_b256.json"
