@@ -8,12 +8,17 @@ Triton launch shows up only through the torch ops around it (allocations), so re
 dispatch notes of BENCHMARKS / GPU_KERNELS.md. Meant for A/B counts: main vs branch on the same preset.
 
     python scripts/decode_ops.py --model random:deepseek-v2-lite --layers 2 --layer 1 --small
-    python scripts/decode_ops.py --model random:qwen3-30b-a3b --layers 1 --layer 0 --small --summary
+    python scripts/decode_ops.py --model random:deepseek-v2-lite --layers 2 --layer 1 --small --fused-moe
+
+--fused-moe takes the CUDA-only fused MoE decode path on the CPU (Triton's interpreter, as the kernel tests
+do) and lists its Triton launches as "triton:<kernel>" ops, so the MoE block's list is the one a GPU runs.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -62,7 +67,38 @@ def attach(layer: torch.nn.Module, log: OpLog) -> list:
     return hooks
 
 
-def record(model_name: str, layer_index: int, batch: int, input_len: int) -> list[tuple[str, str, str]]:
+@contextlib.contextmanager
+def fused_moe_on_cpu(log: OpLog):
+    """The fused MoE decode dispatch through Triton's interpreter, each kernel launch logged as an op."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.runtime.interpreter as interp
+
+    import lamina.kernels.moe_decode as md
+    from lamina.models.layers import moe_decode_path
+
+    run = interp.InterpretedFunction.run
+
+    def logged(self, *args, **kwargs):
+        on = log.on
+        if on:
+            log.ops.append((log.where[-1] if log.where else "", f"triton:{self.fn.__name__}", str(kwargs["grid"])))
+        log.on = False  # the interpreter's own copies of the arguments are no ops of the step
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            log.on = on
+    saved = moe_decode_path.use_triton, md.use_triton
+    interp.InterpretedFunction.run = logged
+    moe_decode_path.use_triton = md.use_triton = lambda t: True
+    try:
+        yield
+    finally:
+        interp.InterpretedFunction.run = run
+        moe_decode_path.use_triton, md.use_triton = saved
+
+
+def record(model_name: str, layer_index: int, batch: int, input_len: int,
+           fused_moe: bool = False) -> list[tuple[str, str, str]]:
     llm = LLM(model=model_name, max_num_seqs=max(batch, 2), enforce_eager=True, progress=False,
               kv_cache_memory_gb=0.25)
     prompts = [{"prompt_token_ids": [10 + (i * 31 + j) % 1000 for j in range(input_len)]} for i in range(batch)]
@@ -82,7 +118,7 @@ def record(model_name: str, layer_index: int, batch: int, input_len: int) -> lis
         log.on = False
     hooks += [layers[0].register_forward_pre_hook(count_step, prepend=True), layers[0].register_forward_hook(stop)]
     try:
-        with log:
+        with log, (fused_moe_on_cpu(log) if fused_moe else contextlib.nullcontext()):
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     finally:
         for h in hooks:
@@ -99,6 +135,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=16)
     ap.add_argument("--small", action="store_true", help="shrink the widths, keep the structure (SMALL)")
     ap.add_argument("--summary", action="store_true", help="counts per op and module only")
+    ap.add_argument("--fused-moe", action="store_true", help="the fused MoE decode path via Triton's interpreter")
     args = ap.parse_args()
     name = args.model.split(":", 1)[1]
     cfg = dict(presets.PRESETS[name], num_hidden_layers=args.layers)
@@ -107,9 +144,10 @@ def main() -> None:
         if "head_dim" in cfg and "num_attention_heads" in cfg:
             cfg["head_dim"] = min(cfg["head_dim"], 64)
     presets.PRESETS[f"{name}-ops"] = cfg
-    ops = record(f"random:{name}-ops", args.layer, args.batch, args.input_len)
+    ops = record(f"random:{name}-ops", args.layer, args.batch, args.input_len, args.fused_moe)
     print(f"{args.model} (layers {args.layers}{', small widths' if args.small else ''}), layer {args.layer}, "
-          f"batch {args.batch}: {len(ops)} aten ops in one decode step")
+          f"batch {args.batch}{', fused MoE via the interpreter' if args.fused_moe else ''}: {len(ops)} ops in one "
+          f"decode step ({sum(op.startswith('triton:') for _, op, _ in ops)} Triton launches)")
     if not args.summary:
         for where, op, shape in ops:
             print(f"  {where[:44]:44s} {op[:40]:40s} {shape}")
