@@ -19,7 +19,8 @@ MAX_TOKENS = 16  # = triton_moe_decode.MAX_TOKENS (not imported: that module nee
 
 def route_ref(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, shared: bool,
               score: str = "softmax", bias: torch.Tensor | None = None, *, round_logits: bool = True,
-              scale: float = 1.0, fixed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float = 1.0, fixed: int = 0, n_group: int = 1, topk_group: int = 1,
+              group_top2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], gate_weight [E (+1), H] -> (weights [T, k(+1 or +fixed)] in x's dtype, ids int64).
 
     score "softmax" (Qwen MoE) or "sigmoid" (per-expert scores; `bias` [E], if given, shifts the selection
@@ -28,7 +29,9 @@ def route_ref(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormaliz
     to every token's choice as expert E with weight sigmoid(its logit).
     DeepSeek (GroupedTopKRouter without groups that bind): round_logits=False keeps the fp32 logits of an fp32
     router (gate_weight may be fp32 while x is not), scale is routed_scaling_factor (after renormalizing),
-    and `fixed` ungated shared experts folded in as experts E.. E+fixed-1 follow with weight 1."""
+    and `fixed` ungated shared experts folded in as experts E.. E+fixed-1 follow with weight 1.
+    n_group > 1: only the topk_group best groups of E / n_group experts compete, a group scored by its best
+    selection score or (group_top2, DeepSeek-V3) the sum of its best two (layers/moe_routing.py's rule)."""
     assert not (shared and fixed)
     logits = F.linear(x, gate_weight) if round_logits else F.linear(x.float(), gate_weight.float())
     routed = logits[:, :-1] if shared else logits
@@ -39,6 +42,11 @@ def route_ref(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormaliz
     else:
         raise ValueError(f"unknown routing score {score!r}")
     sel = probs + bias.float() if bias is not None else probs
+    if n_group > 1 and topk_group < n_group:
+        g = sel.view(sel.shape[0], n_group, -1)
+        gs = g.topk(min(2, g.shape[-1]), dim=-1)[0].sum(-1) if group_top2 else g.amax(-1)
+        keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(topk_group, dim=-1)[1], True)
+        sel = sel.masked_fill(~keep.repeat_interleave(g.shape[-1], dim=1), float("-inf"))
     ids = torch.topk(sel, top_k, dim=-1).indices
     weights = probs.gather(1, ids)
     if renormalize:

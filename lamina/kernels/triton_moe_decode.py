@@ -34,7 +34,8 @@ SCORES = ("softmax", "sigmoid")
 def _route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, wout_ptr, iout_ptr, T, E, H, stride_xm, stride_wn,
                   scale, TOP_K: tl.constexpr, SHARED: tl.constexpr, FIXED: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_SLOT: tl.constexpr,
-                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
+                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr):
     pid = tl.program_id(0)
     e_tot = E + SHARED  # router rows: routed experts, then the shared expert's gate
     offs_t = tl.arange(0, BLOCK_T)
@@ -70,6 +71,8 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, wout_ptr, iout_ptr
         if HAS_BIAS:  # selection only (DeepSeek's score correction); the weights stay the scores
             sel = probs + tl.load(bias_ptr + e_all, mask=ok, other=0.0).to(tl.float32)[None, :]
         sel = tl.where(ok[None, :], sel, float("-inf"))
+        if N_GROUP > 1:  # DeepSeek's group-limited choice (E a power of two, E == BLOCK_ALL)
+            sel = _keep_groups(sel, BLOCK_T, BLOCK_ALL, N_GROUP, TOPK_GROUP, GROUP_TOP2)
         slot = tl.arange(0, BLOCK_SLOT)
         wsel = tl.zeros([BLOCK_T, BLOCK_SLOT], dtype=tl.float32)
         isel = tl.zeros([BLOCK_T, BLOCK_SLOT], dtype=tl.int32)
@@ -97,6 +100,31 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, wout_ptr, iout_ptr
         tl.store(wout_ptr + dst, wsel.to(wout_ptr.dtype.element_ty), mask=out_mask)
         tl.store(iout_ptr + dst, isel.to(tl.int64), mask=out_mask)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _keep_groups(sel, BLOCK_T: tl.constexpr, BLOCK_ALL: tl.constexpr, N_GROUP: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr):
+    """sel [T, E] with the experts outside each token's TOPK_GROUP best groups set to -inf. A group's score is
+    its best selection score, or (TOP2: DeepSeek-V3's noaux_tc) the sum of its two best; groups by k argmax
+    passes, lowest index among ties (as the expert choice)."""
+    GS: tl.constexpr = BLOCK_ALL // N_GROUP
+    s3 = tl.reshape(sel, (BLOCK_T, N_GROUP, GS))
+    m1 = tl.max(s3, axis=2)
+    gscore = m1
+    if TOP2 and GS > 1:
+        eq = s3 == m1[:, :, None]
+        second = tl.max(tl.where(eq, float("-inf"), s3), axis=2)
+        gscore = m1 + tl.where(tl.sum(eq.to(tl.int32), axis=2) >= 2, m1, second)  # a tied best counts twice
+    g = tl.arange(0, N_GROUP)
+    keep = tl.zeros([BLOCK_T, N_GROUP], dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        _, gi = tl.max(gscore, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        hit = g[None, :] == gi[:, None]
+        keep = tl.where(hit, 1, keep)
+        gscore = tl.where(hit, float("-inf"), gscore)
+    s3 = tl.where(keep[:, :, None] != 0, s3, float("-inf"))
+    return tl.reshape(s3, (BLOCK_T, BLOCK_ALL))
 
 
 @triton.jit
@@ -133,7 +161,8 @@ def new_route_counter(device: torch.device) -> torch.Tensor:
 def route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, shared: bool,
                  counter: torch.Tensor, score: str = "softmax", bias: torch.Tensor | None = None,
                  block_e: int | None = None, *, round_logits: bool = True, scale: float = 1.0,
-                 fixed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 fixed: int = 0, n_group: int = 1, topk_group: int = 1,
+                 group_top2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] (T <= MAX_TOKENS), gate_weight [E (+1 shared row), H] (x's dtype, or fp32 as DeepSeek's
     router) -> (weights [T, k(+1 or +fixed)] in x's dtype, ids int64), as moe_decode.route_ref. counter:
     new_route_counter, not shared with a launch in flight on another stream."""
@@ -143,6 +172,9 @@ def route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorma
     e_tot = gate_weight.shape[0]
     e = e_tot - int(shared)
     width = top_k + int(shared) + fixed
+    grouped = n_group > 1 and topk_group < n_group
+    assert not grouped or (e == triton.next_power_of_2(e) and n_group == triton.next_power_of_2(n_group)
+                           and e % n_group == 0), "grouped routing needs power-of-two experts and groups"
     weights = torch.empty(t, width, dtype=x.dtype, device=x.device)
     ids = torch.empty(t, width, dtype=torch.int64, device=x.device)
     logits = torch.empty(t, e_tot, dtype=torch.float32, device=x.device)
@@ -157,6 +189,7 @@ def route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorma
         gate_weight.stride(0), float(scale), TOP_K=top_k, SHARED=int(shared), FIXED=fixed, BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_K=block_k, BLOCK_ALL=block_all, BLOCK_SLOT=triton.next_power_of_2(width),
         SIGMOID=score == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize), ROUND=bool(round_logits),
+        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group, GROUP_TOP2=bool(group_top2),
         num_warps=8 if block_t * block_all >= 4096 else 4)
     return weights, ids
 
@@ -196,7 +229,7 @@ def moe_decode_triton(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Ten
                       renormalize: bool, shared: bool, counter: torch.Tensor, score: str = "softmax",
                       bias: torch.Tensor | None = None, **routing) -> torch.Tensor:
     """The whole routed-expert block for T <= MAX_TOKENS tokens in three launches: route, gate|up, down+sum.
-    routing: route_triton's keywords (round_logits, scale, fixed)."""
+    routing: route_triton's keywords (round_logits, scale, fixed, n_group, topk_group, group_top2)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     weights, ids = route_triton(x, gate_weight, top_k, renormalize, shared, counter, score, bias, **routing)

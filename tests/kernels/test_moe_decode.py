@@ -204,14 +204,14 @@ def test_sparse_moe_layer_fused_path(fold, monkeypatch):
 
 
 def test_fused_path_refuses_binding_groups(monkeypatch):
-    """DeepSeek's group-limited top-k where the groups bind (V3: 8 groups, the best 4 kept) is not what the
-    routing kernel computes: such a layer keeps its unfused path even where the fused one would run (the
-    routings it does take are tested in test_moe_decode_deepseek.py)."""
+    """DeepSeek's group-limited top-k where the groups bind over a non-power-of-two expert count (V2's 160
+    experts in 8 groups keep 3) is not what the routing kernel computes: such a layer keeps its unfused path
+    even where the fused one would run (the routings it does take are tested in test_moe_decode_deepseek.py)."""
     from types import SimpleNamespace
 
     from lamina.models.layers import moe_decode_path
 
     monkeypatch.setattr(moe_decode_path, "use_triton", lambda x: True)
-    gate = SimpleNamespace(method="noaux_tc", n_group=8, topk_group=4)
+    gate = SimpleNamespace(method="group_limited_greedy", n_group=8, topk_group=3, weight=torch.empty(160, 8))
     layer = SimpleNamespace(grouped=True, gate=gate)  # no experts: touching them would raise
     assert moe_decode_path.fused_decode(layer, torch.randn(2, 8)) is None

@@ -13,12 +13,15 @@ from kernel_helpers import DEV, TOL, rel_err
 from lamina.kernels.moe_decode import append_fixed, moe_decode_ref, route_ref
 from lamina.models.layers.moe_routing import grouped_topk
 
-# name: (T, E, top_k, H, method, renormalize, scaling, fixed shared experts)
+# name: (T, E, top_k, H, method, renormalize, scaling, fixed shared experts, n_group, topk_group)
 CASES = {
-    "v2lite_greedy_t1": (1, 64, 6, 64, "greedy", False, 1.0, 2),
-    "greedy_scaled_t5": (5, 32, 4, 48, "greedy", True, 16.0, 1),
-    "noaux_one_group_t3": (3, 24, 3, 64, "noaux_tc", True, 2.5, 1),
-    "noaux_no_shared_t16": (16, 16, 2, 32, "noaux_tc", False, 2.5, 0),
+    "v2lite_greedy_t1": (1, 64, 6, 64, "greedy", False, 1.0, 2, 1, 1),
+    "greedy_scaled_t5": (5, 32, 4, 48, "greedy", True, 16.0, 1, 1, 1),
+    "noaux_one_group_t3": (3, 24, 3, 64, "noaux_tc", True, 2.5, 1, 1, 1),
+    "noaux_no_shared_t16": (16, 16, 2, 32, "noaux_tc", False, 2.5, 0, 1, 1),
+    "v3_groups_8_keep_4_t2": (2, 64, 8, 64, "noaux_tc", True, 2.5, 1, 8, 4),  # V3's rule, fewer experts
+    "v3_groups_t16": (16, 32, 4, 32, "noaux_tc", True, 2.5, 1, 4, 2),
+    "limited_greedy_t4": (4, 32, 3, 48, "group_limited_greedy", False, 1.0, 2, 8, 3),
 }
 PARAMS = [(c, dt) for c in CASES for dt in (torch.bfloat16, torch.float32)]
 
@@ -33,9 +36,16 @@ def _inputs(case, dtype, seed):
 
 
 def _oracle(x, gw, bias, case):
-    _, e, k, _, method, renorm, scaling, fixed = CASES[case]
-    w, ids = grouped_topk(F.linear(x.float(), gw), k, method, 1, 1, renorm, scaling, bias)
+    _, e, k, _, method, renorm, scaling, fixed, n_group, topk_group = CASES[case]
+    w, ids = grouped_topk(F.linear(x.float(), gw), k, method, n_group, topk_group, renorm, scaling, bias)
     return append_fixed(w.to(x.dtype), ids, e, fixed)
+
+
+def _kw(case):
+    """route_ref / route_triton keywords of a case (DeepSeek: fp32 logits)."""
+    _, _, _, _, method, _, scaling, fixed, n_group, topk_group = CASES[case]
+    return dict(round_logits=False, scale=scaling, fixed=fixed, n_group=n_group, topk_group=topk_group,
+                group_top2=method == "noaux_tc")
 
 
 def _score(method):
@@ -44,10 +54,10 @@ def _score(method):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_route_ref_is_grouped_topk(case):
-    """The fused path's reference routes as the DeepSeek router does (groups that keep every expert)."""
-    _, _, k, _, method, renorm, scaling, fixed = CASES[case]
+    """The fused path's reference routes as the DeepSeek router does."""
+    _, _, k, _, method, renorm, _, fixed, _, _ = CASES[case]
     x, gw, bias = _inputs(case, torch.float32, 0)
-    w, ids = route_ref(x, gw, k, renorm, False, _score(method), bias, round_logits=False, scale=scaling, fixed=fixed)
+    w, ids = route_ref(x, gw, k, renorm, False, _score(method), bias, **_kw(case))
     w2, ids2 = _oracle(x, gw, bias, case)
     assert torch.equal(ids, ids2) and torch.allclose(w, w2, rtol=1e-6, atol=1e-7)
     assert (ids[:, k:] == torch.arange(CASES[case][1], CASES[case][1] + fixed)).all() and (w[:, k:] == 1).all()
@@ -59,13 +69,12 @@ def test_route_kernel_deepseek(case, dtype):
     (fresh random logits have no fp32 near-ties at these sizes); weights within the dtype's rounding."""
     from lamina.kernels.triton_moe_decode import new_route_counter, route_triton
 
-    _, e, k, _, method, renorm, scaling, fixed = CASES[case]
+    _, e, k, _, method, renorm, _, fixed, _, _ = CASES[case]
     counter = new_route_counter(DEV)
     for seed in range(2):  # the second launch relies on the first having reset the counter
         x, gw, bias = _inputs(case, dtype, seed)
         w, ids = route_triton(x.to(DEV), gw.to(DEV), k, renorm, False, counter, _score(method),
-                              bias.to(DEV) if bias is not None else None, round_logits=False, scale=scaling,
-                              fixed=fixed)
+                              bias.to(DEV) if bias is not None else None, **_kw(case))
         assert int(counter.item()) == 0, "arrival counter not reset"
         want_w, want_ids = _oracle(x, gw, bias, case)
         assert w.dtype == dtype and w.shape == (x.shape[0], k + fixed)
@@ -81,13 +90,13 @@ def test_moe_decode_deepseek_path(case):
     reference in float64 on the same routing."""
     from lamina.kernels.triton_moe_decode import moe_decode_triton, new_route_counter
 
-    t, e, k, h, method, renorm, scaling, fixed = CASES[case]
+    t, e, k, h, method, renorm, _, fixed, _, _ = CASES[case]
     i = 32
     x, gw, bias = _inputs(case, torch.float32, 3)
     gen = torch.Generator().manual_seed(4)
     w13 = torch.randn(e + fixed, 2 * i, h, generator=gen) / h ** 0.5
     w2 = torch.randn(e + fixed, h, i, generator=gen) / i ** 0.5
-    kw = dict(round_logits=False, scale=scaling, fixed=fixed)
+    kw = _kw(case)
     out = moe_decode_triton(x.to(DEV), gw.to(DEV), w13.to(DEV), w2.to(DEV), k, renorm, False, new_route_counter(DEV),
                             _score(method), bias.to(DEV) if bias is not None else None, **kw)
     ref = moe_decode_ref(x.double(), gw.double(), w13.double(), w2.double(), k, renorm, False, _score(method),
@@ -98,11 +107,11 @@ def test_moe_decode_deepseek_path(case):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter (CI); on CUDA the real "
                     "backend refuses CPU tensors, and the kernel tests above cover the kernels")
 @pytest.mark.parametrize("method,n_group,topk_group", [("greedy", 1, 1), ("noaux_tc", 1, 1),
-                                                        ("group_limited_greedy", 4, 4), ("noaux_tc", 4, 2)])
+                                                        ("group_limited_greedy", 4, 4), ("noaux_tc", 4, 2),
+                                                        ("group_limited_greedy", 8, 3)])
 def test_deepseek_layer_fused_path(method, n_group, topk_group, monkeypatch):
     """A DeepSeek SparseMoE: unfused and unfolded (the HF-shaped oracle) == folded (shared experts as experts
-    E, E+1) == the fused decode path where the groups do not bind; where they do (noaux_tc, 4 groups keep 2)
-    the dispatch refuses and the folded unfused path must still equal the oracle."""
+    E, E+1) == the fused decode path, binding groups included (16 experts: powers of two)."""
     from lamina.models import layers
     from lamina.models.config import LayerSpec, ModelConfig, MoESpec
     from lamina.models.layers.moe import SparseMoE
@@ -128,8 +137,5 @@ def test_deepseek_layer_fused_path(method, n_group, topk_group, monkeypatch):
     import lamina.kernels.moe_decode as md
     monkeypatch.setattr(md, "use_triton", lambda t: True)
     fused = layers.moe_decode_path.fused_decode(layer, x.to(DEV))
-    if topk_group < n_group and method != "greedy":
-        assert fused is None
-        return
     assert fused is not None and torch.equal(layer.route_counter.get(DEV), torch.zeros(1, dtype=torch.int32))
     assert rel_err(fused, want.double()) < 1e-5

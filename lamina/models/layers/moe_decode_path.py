@@ -1,10 +1,10 @@
 """Which SparseMoE calls take the fused decode kernels (kernels/moe_decode.py): routing in one launch and the
 sum over experts folded into the down projection, for at most MAX_TOKENS tokens on CUDA with dense router
-and expert weights and softmax top-k routing, or DeepSeek's router where its groups do not bind (greedy;
-noaux_tc or group_limited_greedy with topk_group == n_group: DeepSeek-V2-Lite, V3-style configs with one
-group), fp32 router weights and logits, routed_scaling_factor and the folded ungated shared experts included.
-Everything else (CPU, prefill-sized batches, quantized experts, tensor-parallel router, group-limited routing
-whose groups bind, e.g. DeepSeek-V3's 8 groups keep 4) keeps the layer's unfused path.
+and expert weights and softmax top-k routing, or DeepSeek's router (GroupedTopKRouter: fp32 router weights
+and logits, routed_scaling_factor, the folded ungated shared experts; group-limited choice in the kernel
+where the experts and groups are powers of two, e.g. V3's 256 experts in 8 groups keep 4). Everything else
+(CPU, prefill-sized batches, quantized experts, tensor-parallel router, binding groups over 160 experts as
+DeepSeek-V2's) keeps the layer's unfused path.
 LAMINA_FUSED_MOE_DECODE=0 switches the fused path off.
 
 Expert parallelism (parallel/expert_parallel.py's EPExperts): only the routing launch is shared; the format
@@ -58,9 +58,11 @@ def fused_decode(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _grouped(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """A DeepSeek layer (GroupedTopKRouter) through the fused kernels, where its groups keep every expert."""
+    """A DeepSeek layer (GroupedTopKRouter) through the fused kernels."""
     gate = layer.gate
-    if not (gate.method == "greedy" or gate.topk_group == gate.n_group):
+    binding = gate.method != "greedy" and gate.topk_group < gate.n_group
+    e = gate.weight.shape[0] if binding else 0
+    if binding and (e & (e - 1) or gate.n_group & (gate.n_group - 1)):  # the kernel's groups: powers of two
         return None
     experts = layer.experts
     if type(experts.format) is not DenseExperts:
@@ -75,4 +77,5 @@ def _grouped(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     score = "sigmoid" if gate.method == "noaux_tc" else "softmax"
     return moe_decode(x, gate.weight, w13, w2, layer.top_k, gate.renormalize, False, counter, score,
                       gate.e_score_correction_bias, round_logits=False, scale=gate.scaling,
-                      fixed=layer.fixed_shared)
+                      fixed=layer.fixed_shared, n_group=gate.n_group if binding else 1, topk_group=gate.topk_group,
+                      group_top2=gate.method == "noaux_tc")
