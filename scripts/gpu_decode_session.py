@@ -12,8 +12,11 @@ left of --budget-s, so a slow stage cannot take the ones after it down with it:
              cuBLAS at M = 1, 4, 16
   4. prof8b  scripts/profile_decode.py random:qwen3-8b (4 layers), batch 1, GEMV off and on
   5. profnx  scripts/profile_decode.py random:qwen3-next-80b-a3b-24l (4 layers), batch 1, fusions off and on
+  6. profds  scripts/profile_decode.py random:deepseek-v2-lite (4 layers: 1 dense + 3 MoE), batch 1, fusions off
+             and on (DeepSeek's routing through the fused MoE decode path; GPU_KERNELS.md has the op estimate)
 
     python scripts/gpu_decode_session.py [--budget-s 340] [--only tests,fusion]
+    python scripts/gpu_decode_session.py --only tests,profds --budget-s 200   (the DeepSeek part alone)
 Prints each stage's tail and a summary; writes decode_session.json.
 """
 from __future__ import annotations
@@ -28,7 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/kernels/test_moe_decode.py", "tests/kernels/test_norm_gated_gemv.py",
+TESTS = ["tests/kernels/test_moe_decode.py", "tests/kernels/test_moe_decode_deepseek.py",
+         "tests/kernels/test_norm_gated_gemv.py",
          "tests/kernels/test_gdn_conv_decode.py", "tests/kernels/test_gemv.py"]
 
 
@@ -43,6 +47,8 @@ def stages(out: Path) -> list[tuple[str, list[str], float]]:
                     "--gemv", "both", "--json", str(out / "profile_qwen3_8b.json")], 70),
         ("profnx", [py, "scripts/profile_decode.py", "--model", "random:qwen3-next-80b-a3b-24l", "--layers", "4",
                     "--steps", "32", "--fusions", "both", "--json", str(out / "profile_qwen3_next.json")], 80),
+        ("profds", [py, "scripts/profile_decode.py", "--model", "random:deepseek-v2-lite", "--layers", "4",
+                    "--steps", "32", "--fusions", "both", "--json", str(out / "profile_deepseek_v2_lite.json")], 90),
     ]
 
 

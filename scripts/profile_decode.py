@@ -71,6 +71,9 @@ class Recorder:
         self.modules = dict(model.named_modules())
         self._handles = [m.register_forward_hook(self._hook(name), with_kwargs=True)
                          for name, m in self.modules.items()]
+        # Each model call starts afresh, so only the last step's modules are kept: a module that only a
+        # prefill calls (MLA's kv_b_proj, which decode replaces by the absorbed weights) is no decode op.
+        self._handles.append(model.register_forward_pre_hook(lambda m, a: self.calls.clear()))
 
     def _hook(self, name: str):
         def hook(module, args, kwargs, output):
@@ -108,7 +111,9 @@ def expert_fraction(model: nn.Module, tokens: int) -> dict[int, float]:
     frac: dict[int, float] = {}
     for m in model.modules():
         if isinstance(m, SparseMoE):
-            share = 1.0 - (1.0 - m.experts_per_token / m.experts.num_experts) ** tokens
+            always = m.experts_per_token - m.top_k  # folded shared experts: read at every step
+            routed = m.experts.num_experts - always
+            share = (routed * (1.0 - (1.0 - m.top_k / routed) ** tokens) + always) / m.experts.num_experts
             for p in m.experts.parameters():
                 frac[id(p)] = share
     return frac
@@ -127,6 +132,13 @@ def own_param_bytes(rec: Recorder, name: str, frac: dict[int, float]) -> float:
             continue
         for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
             total += t.numel() * t.element_size() * frac.get(id(t), 1.0)
+    # weights derived at load and held as plain tensors: MLA's absorbed W_UK / W_UV^T (the decode form reads
+    # them instead of kv_b_proj, which is then counted above as a never-called child: count one of the two)
+    derived = getattr(module, "_absorbed", None)
+    if derived is not None and hasattr(module, "kv_b_proj") and f"{name}.kv_b_proj" not in called:
+        total -= sum(t.numel() * t.element_size() for t in module.kv_b_proj.parameters())
+    if derived is not None:
+        total += sum(t.numel() * t.element_size() for t in derived)
     return total
 
 

@@ -18,14 +18,22 @@ MAX_TOKENS = 16  # = triton_moe_decode.MAX_TOKENS (not imported: that module nee
 
 
 def route_ref(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, shared: bool,
-              score: str = "softmax", bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H], gate_weight [E (+1), H] -> (weights [T, k(+1)] in x's dtype, ids [T, k(+1)] int64).
+              score: str = "softmax", bias: torch.Tensor | None = None, *, round_logits: bool = True,
+              scale: float = 1.0, fixed: int = 0, n_group: int = 1, topk_group: int = 1,
+              group_top2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], gate_weight [E (+1), H] -> (weights [T, k(+1 or +fixed)] in x's dtype, ids int64).
 
     score "softmax" (Qwen MoE) or "sigmoid" (per-expert scores; `bias` [E], if given, shifts the selection
     only, as DeepSeek-V3's score correction does; weights stay the unshifted scores). renormalize: the chosen
     weights sum to 1 (norm_topk_prob). shared: the last router row is a folded shared expert's gate, appended
-    to every token's choice as expert E with weight sigmoid(its logit)."""
-    logits = F.linear(x, gate_weight)
+    to every token's choice as expert E with weight sigmoid(its logit).
+    DeepSeek (GroupedTopKRouter without groups that bind): round_logits=False keeps the fp32 logits of an fp32
+    router (gate_weight may be fp32 while x is not), scale is routed_scaling_factor (after renormalizing),
+    and `fixed` ungated shared experts folded in as experts E.. E+fixed-1 follow with weight 1.
+    n_group > 1: only the topk_group best groups of E / n_group experts compete, a group scored by its best
+    selection score or (group_top2, DeepSeek-V3) the sum of its best two (layers/moe_routing.py's rule)."""
+    assert not (shared and fixed)
+    logits = F.linear(x, gate_weight) if round_logits else F.linear(x.float(), gate_weight.float())
     routed = logits[:, :-1] if shared else logits
     if score == "softmax":
         probs = torch.softmax(routed, dim=-1, dtype=torch.float32)
@@ -34,14 +42,28 @@ def route_ref(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormaliz
     else:
         raise ValueError(f"unknown routing score {score!r}")
     sel = probs + bias.float() if bias is not None else probs
+    if n_group > 1 and topk_group < n_group:
+        g = sel.view(sel.shape[0], n_group, -1)
+        gs = g.topk(min(2, g.shape[-1]), dim=-1)[0].sum(-1) if group_top2 else g.amax(-1)
+        keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(topk_group, dim=-1)[1], True)
+        sel = sel.masked_fill(~keep.repeat_interleave(g.shape[-1], dim=1), float("-inf"))
     ids = torch.topk(sel, top_k, dim=-1).indices
     weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * scale
     if shared:
         weights = torch.cat([weights, torch.sigmoid(logits[:, -1:].float())], dim=1)
         ids = torch.cat([ids, torch.full_like(ids[:, :1], routed.shape[1])], dim=1)
-    return weights.to(x.dtype), ids
+    return append_fixed(weights.to(x.dtype), ids, routed.shape[1], fixed)
+
+
+def append_fixed(weights: torch.Tensor, ids: torch.Tensor, first: int, fixed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [T, k] with `fixed` always-chosen experts first.. first+fixed-1 of weight 1 appended."""
+    if not fixed:
+        return weights, ids
+    extra = torch.arange(first, first + fixed, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], fixed)
+    return torch.cat([weights, weights.new_ones(weights.shape[0], fixed)], 1), torch.cat([ids, extra], 1)
 
 
 def gate_up_pairs_ref(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -63,8 +85,8 @@ def down_sum_ref(inter: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, i
 
 def moe_decode_ref(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                    renormalize: bool, shared: bool, score: str = "softmax",
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    weights, ids = route_ref(x, gate_weight, top_k, renormalize, shared, score, bias)
+                   bias: torch.Tensor | None = None, **routing) -> torch.Tensor:
+    weights, ids = route_ref(x, gate_weight, top_k, renormalize, shared, score, bias, **routing)
     return down_sum_ref(gate_up_pairs_ref(x, w13, ids), w2, weights, ids)
 
 
@@ -88,11 +110,12 @@ class RouteCounter:
 
 def moe_decode(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                renormalize: bool, shared: bool, counter: RouteCounter, score: str = "softmax",
-               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+               bias: torch.Tensor | None = None, **routing) -> torch.Tensor | None:
     """The routed (+ folded shared) experts' output for x [T, H], or None where the caller should take its
-    unfused path (more than MAX_TOKENS tokens on CUDA, or no counter during a graph capture)."""
+    unfused path (more than MAX_TOKENS tokens on CUDA, or no counter during a graph capture).
+    routing: route_ref's keywords (round_logits, scale, fixed)."""
     if not use_triton(x):
-        return moe_decode_ref(x, gate_weight, w13, w2, top_k, renormalize, shared, score, bias)
+        return moe_decode_ref(x, gate_weight, w13, w2, top_k, renormalize, shared, score, bias, **routing)
     if not 1 <= x.shape[0] <= MAX_TOKENS:
         return None
     cnt = counter.get(x.device)
@@ -100,4 +123,4 @@ def moe_decode(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2
         return None
     from lamina.kernels.triton_moe_decode import moe_decode_triton
 
-    return moe_decode_triton(x, gate_weight, w13, w2, top_k, renormalize, shared, cnt, score, bias)
+    return moe_decode_triton(x, gate_weight, w13, w2, top_k, renormalize, shared, cnt, score, bias, **routing)

@@ -6,9 +6,11 @@ every token (T <= MAX_TOKENS) for its rows on the CUDA cores, rounds them to the
 unfused path's F.linear does, so routing ties break the same way) and stores them as fp32 in a per-call
 workspace. Then, as the decode GEMV's split-K does, it bumps a counter (acq_rel, after a CTA barrier); the
 program that arrives last scores the whole [T, E] tile (softmax, or sigmoid with an optional selection bias),
-takes the top k by k argmax passes (lowest index among ties), renormalizes, appends the folded shared expert
-(sigmoid of its gate logit, id E) and resets the counter, so the next launch or a graph replay finds it zero.
-One launch replaces the router GEMV and the top-k kernel; no host sync, grids from host shapes only.
+takes the top k by k argmax passes (lowest index among ties), renormalizes, scales (routed_scaling_factor),
+appends the folded shared expert (sigmoid of its gate logit, id E) or DeepSeek's folded ungated shared experts
+(weight 1, ids E..; fp32 router rows and unrounded logits there, as HF's DeepSeek router) and resets the
+counter, so the next launch or a graph replay finds it zero. One launch replaces the router GEMV and the
+top-k kernel; no host sync, grids from host shapes only.
 
 Down projection (`_down_sum_kernel`, grid = (token, BLOCK_N output columns)): a program loads the token's
 slot ids and weights, streams BLOCK_N rows of each chosen expert's down weights ([BLOCK_S, BLOCK_N, BLOCK_K]
@@ -30,9 +32,10 @@ SCORES = ("softmax", "sigmoid")
 
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, wout_ptr, iout_ptr, T, E, H, stride_xm, stride_wn,
-                  TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_SLOT: tl.constexpr,
-                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                  scale, TOP_K: tl.constexpr, SHARED: tl.constexpr, FIXED: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_SLOT: tl.constexpr,
+                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr):
     pid = tl.program_id(0)
     e_tot = E + SHARED  # router rows: routed experts, then the shared expert's gate
     offs_t = tl.arange(0, BLOCK_T)
@@ -48,7 +51,8 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, wout_ptr, iout_ptr
         wt = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :],
                      mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
-    acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # the logits the unfused path rounds to x's dtype
+    if ROUND:  # the logits the unfused F.linear rounds to x's dtype (DeepSeek's fp32 router does not)
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logit_ptr + offs_t[:, None] * e_tot + offs_e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
     tl.debug_barrier()  # every thread's logits are issued before the counter is released
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
@@ -67,6 +71,8 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, wout_ptr, iout_ptr
         if HAS_BIAS:  # selection only (DeepSeek's score correction); the weights stay the scores
             sel = probs + tl.load(bias_ptr + e_all, mask=ok, other=0.0).to(tl.float32)[None, :]
         sel = tl.where(ok[None, :], sel, float("-inf"))
+        if N_GROUP > 1:  # DeepSeek's group-limited choice (E a power of two, E == BLOCK_ALL)
+            sel = _keep_groups(sel, BLOCK_T, BLOCK_ALL, N_GROUP, TOPK_GROUP, GROUP_TOP2)
         slot = tl.arange(0, BLOCK_SLOT)
         wsel = tl.zeros([BLOCK_T, BLOCK_SLOT], dtype=tl.float32)
         isel = tl.zeros([BLOCK_T, BLOCK_SLOT], dtype=tl.int32)
@@ -79,16 +85,46 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, wout_ptr, iout_ptr
             sel = tl.where(chosen, float("-inf"), sel)
         if RENORM:
             wsel = wsel / tl.sum(tl.where(slot[None, :] < TOP_K, wsel, 0.0), axis=1)[:, None]
-        width = TOP_K + SHARED
+        wsel = wsel * scale  # routed_scaling_factor (1 outside DeepSeek)
+        width = TOP_K + SHARED + FIXED
         if SHARED:  # the shared expert, folded in as expert E: always chosen, weight sigmoid(its gate logit)
             s = tl.load(logit_ptr + offs_t * e_tot + E, mask=t_ok, other=0.0, cache_modifier=".cg")
             wsel = tl.where(slot[None, :] == TOP_K, tl.sigmoid(s)[:, None], wsel)
             isel = tl.where(slot[None, :] == TOP_K, E, isel)
+        if FIXED > 0:  # ungated shared experts folded in as experts E.. E+FIXED-1: always chosen, weight 1
+            fixed = (slot[None, :] >= TOP_K) & (slot[None, :] < width)
+            wsel = tl.where(fixed, 1.0, wsel)
+            isel = tl.where(fixed, E + slot[None, :] - TOP_K, isel)
         out_mask = t_ok[:, None] & (slot[None, :] < width)
         dst = offs_t[:, None] * width + slot[None, :]
         tl.store(wout_ptr + dst, wsel.to(wout_ptr.dtype.element_ty), mask=out_mask)
         tl.store(iout_ptr + dst, isel.to(tl.int64), mask=out_mask)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _keep_groups(sel, BLOCK_T: tl.constexpr, BLOCK_ALL: tl.constexpr, N_GROUP: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr):
+    """sel [T, E] with the experts outside each token's TOPK_GROUP best groups set to -inf. A group's score is
+    its best selection score, or (TOP2: DeepSeek-V3's noaux_tc) the sum of its two best; groups by k argmax
+    passes, lowest index among ties (as the expert choice)."""
+    GS: tl.constexpr = BLOCK_ALL // N_GROUP
+    s3 = tl.reshape(sel, (BLOCK_T, N_GROUP, GS))
+    m1 = tl.max(s3, axis=2)
+    gscore = m1
+    if TOP2 and GS > 1:
+        eq = s3 == m1[:, :, None]
+        second = tl.max(tl.where(eq, float("-inf"), s3), axis=2)
+        gscore = m1 + tl.where(tl.sum(eq.to(tl.int32), axis=2) >= 2, m1, second)  # a tied best counts twice
+    g = tl.arange(0, N_GROUP)
+    keep = tl.zeros([BLOCK_T, N_GROUP], dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        _, gi = tl.max(gscore, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        hit = g[None, :] == gi[:, None]
+        keep = tl.where(hit, 1, keep)
+        gscore = tl.where(hit, float("-inf"), gscore)
+    s3 = tl.where(keep[:, :, None] != 0, s3, float("-inf"))
+    return tl.reshape(s3, (BLOCK_T, BLOCK_ALL))
 
 
 @triton.jit
@@ -124,28 +160,37 @@ def new_route_counter(device: torch.device) -> torch.Tensor:
 
 def route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, shared: bool,
                  counter: torch.Tensor, score: str = "softmax", bias: torch.Tensor | None = None,
-                 block_e: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] (T <= MAX_TOKENS), gate_weight [E (+1 shared row), H] -> (weights [T, k(+1)] in x's dtype,
-    ids [T, k(+1)] int64), as moe_decode.route_ref. counter: new_route_counter, not shared with a launch
-    in flight on another stream."""
-    assert score in SCORES and x.dim() == 2 and 1 <= x.shape[0] <= MAX_TOKENS
+                 block_e: int | None = None, *, round_logits: bool = True, scale: float = 1.0,
+                 fixed: int = 0, n_group: int = 1, topk_group: int = 1,
+                 group_top2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (T <= MAX_TOKENS), gate_weight [E (+1 shared row), H] (x's dtype, or fp32 as DeepSeek's
+    router) -> (weights [T, k(+1 or +fixed)] in x's dtype, ids int64), as moe_decode.route_ref. counter:
+    new_route_counter, not shared with a launch in flight on another stream."""
+    assert score in SCORES and x.dim() == 2 and 1 <= x.shape[0] <= MAX_TOKENS and not (shared and fixed)
     assert x.stride(-1) == 1 and gate_weight.stride(-1) == 1 and gate_weight.shape[1] == x.shape[1]
     t, h = x.shape
     e_tot = gate_weight.shape[0]
     e = e_tot - int(shared)
-    width = top_k + int(shared)
+    width = top_k + int(shared) + fixed
+    grouped = n_group > 1 and topk_group < n_group
+    assert not grouped or (e == triton.next_power_of_2(e) and n_group == triton.next_power_of_2(n_group)
+                           and e % n_group == 0), "grouped routing needs power-of-two experts and groups"
     weights = torch.empty(t, width, dtype=x.dtype, device=x.device)
     ids = torch.empty(t, width, dtype=torch.int64, device=x.device)
     logits = torch.empty(t, e_tot, dtype=torch.float32, device=x.device)
     block_t = triton.next_power_of_2(t)
-    block_e = block_e or 4  # ~130 programs for 513 router rows: one 16 KB load per program at T = 1
+    # ~130 programs for 513 router rows: one 16 KB load per program at T = 1; small routers (DeepSeek-V2-Lite's
+    # 64 fp32 rows) take 2 rows per program, so >= 32 programs share the read instead of 16
+    block_e = block_e or (4 if e_tot >= 256 else 2)
     block_k = min(triton.next_power_of_2(h), max(64, 8192 // (block_t * block_e)))
     block_all = triton.next_power_of_2(e)
     _route_kernel[(triton.cdiv(e_tot, block_e),)](
         x, gate_weight, bias if bias is not None else logits, logits, counter, weights, ids, t, e, h, x.stride(0),
-        gate_weight.stride(0), TOP_K=top_k, SHARED=int(shared), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
-        BLOCK_ALL=block_all, BLOCK_SLOT=triton.next_power_of_2(width), SIGMOID=score == "sigmoid",
-        HAS_BIAS=bias is not None, RENORM=bool(renormalize), num_warps=8 if block_t * block_all >= 4096 else 4)
+        gate_weight.stride(0), float(scale), TOP_K=top_k, SHARED=int(shared), FIXED=fixed, BLOCK_T=block_t,
+        BLOCK_E=block_e, BLOCK_K=block_k, BLOCK_ALL=block_all, BLOCK_SLOT=triton.next_power_of_2(width),
+        SIGMOID=score == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize), ROUND=bool(round_logits),
+        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group, GROUP_TOP2=bool(group_top2),
+        num_warps=8 if block_t * block_all >= 4096 else 4)
     return weights, ids
 
 
@@ -182,10 +227,11 @@ def down_sum_triton(inter: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor
 
 def moe_decode_triton(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                       renormalize: bool, shared: bool, counter: torch.Tensor, score: str = "softmax",
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole routed-expert block for T <= MAX_TOKENS tokens in three launches: route, gate|up, down+sum."""
+                      bias: torch.Tensor | None = None, **routing) -> torch.Tensor:
+    """The whole routed-expert block for T <= MAX_TOKENS tokens in three launches: route, gate|up, down+sum.
+    routing: route_triton's keywords (round_logits, scale, fixed, n_group, topk_group, group_top2)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weights, ids = route_triton(x, gate_weight, top_k, renormalize, shared, counter, score, bias)
+    weights, ids = route_triton(x, gate_weight, top_k, renormalize, shared, counter, score, bias, **routing)
     inter = gate_up_pairs_triton(x, w13, ids)
     return down_sum_triton(inter, w2, weights, ids)

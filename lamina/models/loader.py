@@ -185,11 +185,14 @@ def _random_weights(model: CausalLM) -> None:
 
 def _finalize(model: CausalLM) -> CausalLM:
     """Weight layout changes that need the loaded weights (checkpoint names no longer apply after this)."""
+    from lamina.models.layers.mla import LatentAttention
     from lamina.models.layers.moe import SparseMoE
 
     for m in model.modules():
         if isinstance(m, SparseMoE):
             m.fuse_shared_expert()
+        if isinstance(m, LatentAttention):
+            m.fold_rope_permutation()
         finish = getattr(getattr(m, "format", None), "finish_loading", None)
         if finish is not None:  # a format's derived forms (the CPU layout of packed weights)
             finish(m)

@@ -203,13 +203,15 @@ def test_sparse_moe_layer_fused_path(fold, monkeypatch):
     assert layers.moe_decode_path.fused_decode(layer, x) is None
 
 
-def test_fused_path_refuses_grouped_routing(monkeypatch):
-    """DeepSeek's grouped top-k (sigmoid scores, groups, a correction bias) is not what the routing kernel
-    computes: such a layer keeps its unfused path even where the fused one would run."""
+def test_fused_path_refuses_binding_groups(monkeypatch):
+    """DeepSeek's group-limited top-k where the groups bind over a non-power-of-two expert count (V2's 160
+    experts in 8 groups keep 3) is not what the routing kernel computes: such a layer keeps its unfused path
+    even where the fused one would run (the routings it does take are tested in test_moe_decode_deepseek.py)."""
     from types import SimpleNamespace
 
     from lamina.models.layers import moe_decode_path
 
     monkeypatch.setattr(moe_decode_path, "use_triton", lambda x: True)
-    layer = SimpleNamespace(grouped=True)  # no gate/experts: touching them would raise
+    gate = SimpleNamespace(method="group_limited_greedy", n_group=8, topk_group=3, weight=torch.empty(160, 8))
+    layer = SimpleNamespace(grouped=True, gate=gate)  # no experts: touching them would raise
     assert moe_decode_path.fused_decode(layer, torch.randn(2, 8)) is None

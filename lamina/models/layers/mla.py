@@ -33,6 +33,7 @@ from lamina.models.config import ModelConfig
 from lamina.models.layers.linear import Linear
 from lamina.models.layers.norm import RMSNorm
 from lamina.models.layers.rope_table import RopeTable, yarn_softmax_mscale
+from lamina.models.weight_formats import DenseFormat
 
 _LORA_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps
 
@@ -106,11 +107,12 @@ class LatentAttention(nn.Module):
         q_nope, q_pe = q.view(t, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
-        if self.rope_perm is not None:
+        k_pe = k_pe.reshape(t, 1, self.rope_dim)
+        if self.rope_perm is not None:  # not folded into the projections (fold_rope_permutation)
             perm = self._rope_index(x.device)
             q_pe, k_pe = q_pe.index_select(-1, perm), k_pe.index_select(-1, perm)
-        q_pe, k_pe = apply_rope(q_pe.contiguous(), k_pe.reshape(t, 1, self.rope_dim).contiguous(), positions,
-                                self.rope.table)
+        # in place on the projections' outputs where they are views (the Triton rope takes row strides)
+        q_pe, k_pe = apply_rope(q_pe, k_pe, positions, self.rope.table)
         meta = ctx.attn
         store_latent(latent, k_pe.view(t, self.rope_dim), self.cache, meta.slot_mapping)
         if meta.is_decode_only:
@@ -212,9 +214,35 @@ class LatentAttention(nn.Module):
         """Rows of one token each (row b = sequence b of the tables), absorbed form -> [B, H, dv]."""
         w_uk, w_uv_t = self._absorbed_weights(q_nope)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
-        out_lat = mla_decode(q_lat.contiguous(), q_pe.contiguous(), self.cache, block_tables, seq_lens, self.scale,
-                             seq_lens_cpu, max_seq_len)
+        # both kernels read rows by stride (unit stride in the last dim only): no copies of q_lat / q_pe
+        out_lat = mla_decode(q_lat, q_pe, self.cache, block_tables, seq_lens, self.scale, seq_lens_cpu, max_seq_len)
         return torch.bmm(out_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [B, H, dv]
+
+    @torch.no_grad()
+    def fold_rope_permutation(self) -> bool:
+        """Once weights are loaded: reorders the rope rows of the q and kv_a projections (interleaved pairs ->
+        two halves), so each step's q_pe and k_pe come out in rope order and the two index_select launches per
+        layer and step go. Only q_pe / k_pe read those rows (rope, then dot products of q and k permuted alike),
+        so outputs are unchanged. Dense, unsplit projections only (else the per-step permutation stays)."""
+        if self.rope_perm is None:
+            return True
+        q = self.q_b_proj if self.q_lora else self.q_proj
+        kv = self.kv_a_proj_with_mqa
+        if any(type(getattr(m, "format", None)) is not DenseFormat or m.format.partition is not None
+               for m in (q, kv)):
+            return False
+        perm = torch.tensor(self.rope_perm, device=q.weight.device)
+        heads = q.weight.view(self.num_heads, self.nope_dim + self.rope_dim, -1)
+        heads[:, self.nope_dim:] = heads[:, self.nope_dim:].index_select(1, perm)
+        for p in (kv.weight, kv.bias):
+            if p is not None:
+                p[self.kv_lora_rank:] = p[self.kv_lora_rank:].index_select(0, perm)
+        if q.bias is not None:
+            qb = q.bias.view(self.num_heads, -1)
+            qb[:, self.nope_dim:] = qb[:, self.nope_dim:].index_select(1, perm)
+        self.rope_perm = None
+        self._perm = None
+        return True
 
     def _rope_index(self, device: torch.device) -> torch.Tensor | None:
         if self.rope_perm is not None and (self._perm is None or self._perm.device != device):

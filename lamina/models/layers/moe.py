@@ -3,20 +3,24 @@ scaled by sigmoid(shared_expert_gate(x)) (Qwen3-Next, Qwen3.5-MoE). Names follow
 mlp.experts.gate_up_proj / down_proj (stacked), mlp.shared_expert.*, mlp.shared_expert_gate.
 
 DeepSeek-V2/V3 (MoESpec.topk_method set): the router is layers/moe_routing.py's GroupedTopKRouter (fp32,
-grouped top-k, routed_scaling_factor) and the shared experts are one ungated MLP, mlp.shared_experts.*."""
+grouped top-k, routed_scaling_factor) and the shared experts are one ungated MLP, mlp.shared_experts.*, of
+n_shared x the routed experts' width; after loading they are folded in as n_shared more routed experts, always
+chosen with weight 1 (fuse_shared_expert), so the decode path reads them in the routed experts' launches."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from lamina.kernels.moe import select_experts
-from lamina.kernels.moe_decode import RouteCounter
+from lamina.kernels.moe_decode import RouteCounter, append_fixed
 from lamina.models.config import ModelConfig
 from lamina.models.layers.linear import Linear
 from lamina.models.layers.mlp import GatedMLP
 from lamina.models.layers.moe_decode_path import fused_decode
 from lamina.models.layers.moe_routing import GroupedTopKRouter
-from lamina.models.weight_formats import DenseExperts, ExpertFormat
+from lamina.models.weight_formats import DenseExperts, DenseFormat, ExpertFormat
 from lamina.models.weight_formats.base import clear_params
 
 
@@ -62,6 +66,7 @@ class SparseMoE(nn.Module):
         else:
             self.gate = Linear(cfg.hidden_size, m.num_experts, bias=False)
         self.shared_experts: GatedMLP | None = None
+        self.fixed_shared = 0  # ungated shared experts folded in as experts E.. (weight 1, always chosen)
         if m.shared_experts_intermediate_size:
             self.shared_experts = GatedMLP(cfg.hidden_size, m.shared_experts_intermediate_size, cfg.hidden_act)
         self.experts = FusedExperts(m.num_experts, cfg.hidden_size, m.intermediate_size)
@@ -75,7 +80,7 @@ class SparseMoE(nn.Module):
     @property
     def experts_per_token(self) -> int:
         """Rows of the stacked expert weights one token reads (its top_k, plus a folded-in shared expert)."""
-        return self.top_k + int(self.shared_fused)
+        return self.top_k + int(self.shared_fused) + self.fixed_shared
 
     @torch.no_grad()
     def fuse_shared_expert(self) -> None:
@@ -84,6 +89,8 @@ class SparseMoE(nn.Module):
         one grouped-GEMM pair then do what took seven more kernels per layer (the decode step is launch
         bound). Needs the shared expert's width to equal the routed experts' (Qwen3-Next, Qwen3.5-MoE),
         and formats that can hold it (their fold_in / concat_out); otherwise nothing changes."""
+        if self.shared_experts is not None:
+            self._fold_ungated_shared()
         se = self.shared_expert
         if se is None or self.shared_fused or not self.gate.format.can_concat_out(self.gate, self.shared_expert_gate):
             return
@@ -94,12 +101,40 @@ class SparseMoE(nn.Module):
         del self.shared_expert_gate
         self.shared_fused = True
 
+    @torch.no_grad()
+    def _fold_ungated_shared(self) -> None:
+        """DeepSeek's shared experts, one SwiGLU of width n x I, are n SwiGLUs of width I (split its
+        intermediate dimension): they become experts E.. E+n-1 with weight 1. At decode the MoE block is then
+        the fused path's three launches instead of those plus gate|up, SiLU-and-mul, down and the add (the
+        batch-1 step is launch bound: ~126 us per layer against ~43 us of bytes on the H200). Dense, unsplit
+        weights only (quantized or tensor-parallel shared experts stay as they are)."""
+        se, inter = self.shared_experts, self.experts.intermediate
+        gu, down = se.gate_up_proj, se.down_proj
+        width = down.weight.shape[-1] if down.weight.dim() == 2 else 0
+        if type(self.experts.format) is not DenseExperts or width % inter or \
+                any(type(getattr(m, "format", None)) is not DenseFormat or m.format.partition is not None or
+                    m.bias is not None for m in (gu, down)):
+            return
+        n = width // inter
+        gate, up = gu.weight.split(width)
+        for j in range(n):
+            rows = slice(j * inter, (j + 1) * inter)
+            part_gu = SimpleNamespace(format=gu.format, bias=None, weight=torch.cat([gate[rows], up[rows]]))
+            part_down = SimpleNamespace(format=down.format, bias=None, weight=down.weight[:, rows].contiguous())
+            if not self.experts.format.fold_in(self.experts, part_gu, part_down):
+                if j:
+                    raise RuntimeError("folding the shared experts failed half-way")
+                return
+        self.shared_experts = None
+        self.fixed_shared = n
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A few tokens on CUDA with softmax top-k routing: routing + experts + sum in three launches.
         out = fused_decode(self, x)
         if out is None:
             if self.grouped:
-                weights, ids = self.gate(x)
+                weights, ids = append_fixed(*self.gate(x), self.experts.num_experts - self.fixed_shared,
+                                            self.fixed_shared)
             else:
                 weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.shared_fused)
             out = self.experts(x, weights, ids)
