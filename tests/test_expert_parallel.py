@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 from deepseek_factory import make_deepseek_checkpoint
-from test_tensor_parallel import KW, PROMPTS, _assert_same
+from tp_helpers import assert_same, load_experts, tp_pair
 
-from lamina import LLM, SamplingParams
+from lamina import SamplingParams
 from lamina.kernels.moe import fused_moe_ref
 from lamina.models.config import LayerSpec, ModelConfig, MoESpec
 from lamina.parallel.context import ParallelContext
@@ -22,12 +22,6 @@ from lamina.parallel.expert_parallel import EPExperts, check_ep_config
 PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, logprobs=2),
           SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, prompt_logprobs=1),
           SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)]
-
-
-def _pair(path, **tp):
-    one = LLM(str(path), **KW).generate(PROMPTS, PARAMS, use_tqdm=False)
-    llm = LLM(str(path), tensor_parallel_size=2, **KW, **tp)
-    return one, llm.generate(PROMPTS, PARAMS, use_tqdm=False), llm
 
 
 def _moe_layers(model) -> list:
@@ -53,14 +47,14 @@ def qwen3_moe_ep(tmp_path_factory, smol_tokenizer, one_thread):
     from hybrid_helpers import make_hybrid_checkpoint
 
     path = make_hybrid_checkpoint(tmp_path_factory.mktemp("ep") / "qwen3_moe", "qwen3_moe", smol_tokenizer, seed=6)
-    one, two, llm = _pair(path, enable_expert_parallel=True)
+    one, two, llm = tp_pair(path, PARAMS, tp_only={"enable_expert_parallel": True})
     yield one, two, llm
     llm.engine.close()
 
 
 def test_qwen3_moe_ep_matches_tp1(qwen3_moe_ep):
     one, two, llm = qwen3_moe_ep
-    _assert_same(one, two)
+    assert_same(one, two)
     experts = _moe_layers(llm.engine.model)[0].experts
     assert isinstance(experts.format, EPExperts) and experts.format.first == 0
     # 4 experts over 2 ranks: rank 0 holds experts 0 and 1, whole (intermediate 32, not split)
@@ -93,9 +87,9 @@ def v3_checkpoint(tmp_path_factory, smol_tokenizer):
 def test_deepseek_v3_tp2_matches_tp1(v3_checkpoint, ep, one_thread):
     """MLA heads split (q_lora, YaRN, interleaved rope), noaux_tc grouped routing replicated, shared experts
     and the dense first layer tensor-parallel; routed experts split (TP) or placed whole (EP)."""
-    one, two, llm = _pair(v3_checkpoint, enable_expert_parallel=ep)
+    one, two, llm = tp_pair(v3_checkpoint, PARAMS, tp_only={"enable_expert_parallel": ep})
     try:
-        _assert_same(one, two)
+        assert_same(one, two)
         attn = llm.engine.model.model.layers[0].self_attn
         assert attn.num_heads == 2 and attn._absorbed[0].shape[0] == 2  # local heads, local absorbed weights
         assert llm.engine.kv_cache.views[0].kv.shape[-1] == 32 + 16  # the full latent per token on every rank
@@ -113,9 +107,9 @@ def test_deepseek_v2_ep_matches_tp1(tmp_path_factory, smol_tokenizer, one_thread
     """V2-Lite's layout: no q_lora (q_proj column-parallel), group-limited greedy softmax routing, 2 shared
     experts."""
     path = make_deepseek_checkpoint(tmp_path_factory.mktemp("ep") / "v2", "deepseek_v2", smol_tokenizer, seed=3)
-    one, two, llm = _pair(path, enable_expert_parallel=True)
+    one, two, llm = tp_pair(path, PARAMS, tp_only={"enable_expert_parallel": True})
     try:
-        _assert_same(one, two)
+        assert_same(one, two)
     finally:
         llm.engine.close()
 
@@ -123,19 +117,12 @@ def test_deepseek_v2_ep_matches_tp1(tmp_path_factory, smol_tokenizer, one_thread
 def test_ep_format_loads_its_experts_only():
     """Rank 1 of 2 over 4 experts holds experts 2 and 3: stacked tensors are cut, the other experts' per-expert
     tensors are skipped, and its parts name only its experts (the missing-tensor check asks for those)."""
-    from lamina.models.layers.moe import FusedExperts
     from lamina.models.weight_formats import param_spec, weight_loader
 
     gate_up, down = torch.randn(4, 8, 5), torch.randn(4, 5, 4)
-    stacked = FusedExperts(4, 5, 4, fmt=EPExperts(ParallelContext(1, 2)))
-    weight_loader(stacked, "gate_up_proj")(stacked.gate_up_proj, gate_up)
-    weight_loader(stacked, "down_proj")(stacked.down_proj, down)
+    stacked = load_experts(EPExperts(ParallelContext(1, 2)), gate_up, down, per_expert=False)
     assert torch.equal(stacked.gate_up_proj, gate_up[2:]) and torch.equal(stacked.down_proj, down[2:])
-    each = FusedExperts(4, 5, 4, fmt=EPExperts(ParallelContext(1, 2)))
-    for e in range(4):
-        weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[e, :4], "gate", e)
-        weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[e, 4:], "up", e)
-        weight_loader(each, "down_proj")(each.down_proj, down[e], None, e)
+    each = load_experts(EPExperts(ParallelContext(1, 2)), gate_up, down, per_expert=True)
     assert torch.equal(each.gate_up_proj, stacked.gate_up_proj) and torch.equal(each.down_proj, stacked.down_proj)
     assert param_spec(each, "down_proj").parts == ("2", "3")
     with pytest.raises(ValueError, match="expert 4 is out of range"):

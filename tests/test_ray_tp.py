@@ -9,14 +9,14 @@ import time
 
 import pytest
 from model_factory import make_checkpoint
+from tp_helpers import KW, assert_same
+from tp_helpers import PROMPTS as TP_PROMPTS
 
 from lamina import LLM, SamplingParams
 
 ray = pytest.importorskip("ray")
 
-KW = dict(dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=32,
-          progress=False)
-PROMPTS = [[5, 17, 99, 1000, 42, 7, 3000, 12, 81, 640, 2, 9, 44], [7, 8, 9]]
+PROMPTS = TP_PROMPTS[:2]
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,36 @@ def test_ray_tp2_matches_tp1(cluster, tmp_path_factory, smol_tokenizer, one_thre
         group.check()  # the actor is alive
     finally:
         llm.engine.close()
+    _assert_bundles_back()
+
+
+def _assert_bundles_back() -> None:
+    """The closed engine's placement group was given back (the next test's needs both CPUs)."""
     deadline = time.monotonic() + 20
     while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert ray.available_resources().get("CPU") == 2.0  # the placement group was given back
+    assert ray.available_resources().get("CPU") == 2.0
+
+
+def test_ray_tp2_hybrid_matches_tp1(cluster, tmp_path_factory, smol_tokenizer, one_thread):
+    """A hybrid (Qwen3-Next: a recurrent state pool) on Ray actors: each step carries rank 0's state copies
+    made outside a forward (RankGroup.attach_state; the Ray group once lacked it and the engine failed to
+    start). The second call hits the prefix cache, so a snapshot is copied into a slot before its prefill."""
+    from hybrid_helpers import make_hybrid_checkpoint
+
+    path = make_hybrid_checkpoint(tmp_path_factory.mktemp("ray") / "qwen3_next", "qwen3_next", smol_tokenizer,
+                                  seed=10)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    one = LLM(str(path), **KW).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor_backend="ray", enable_prefix_caching=True,
+              state_snapshot_interval=8, **KW)
+    try:
+        assert_same(one, llm.generate(PROMPTS, params, use_tqdm=False))
+        assert_same(one, llm.generate(PROMPTS, params, use_tqdm=False))
+        assert llm.engine.stats().num_snapshot_hits > 0
+    finally:
+        llm.engine.close()
+    _assert_bundles_back()
 
 
 def test_dead_actor_fails_the_stream(cluster, tmp_path_factory, smol_tokenizer, one_thread):

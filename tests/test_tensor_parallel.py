@@ -13,53 +13,25 @@ import time
 import pytest
 import torch
 from model_factory import make_checkpoint
+from tp_helpers import KW, PROMPTS, assert_same, load_experts, tp_pair
 
 from lamina import LLM, SamplingParams
 from lamina.config import EngineConfig
 from lamina.parallel.context import ParallelContext, ParallelFailure
-
-KW = dict(dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=32,
-          progress=False)
-PROMPTS = [[5, 17, 99, 1000, 42, 7, 3000, 12, 81, 640, 2, 9, 44], [7, 8, 9], [5, 17, 99, 1000, 42, 7, 3000, 11]]
-
-
-def _pair(path, **extra):
-    """(TP=1 outputs, TP=2 outputs, the TP=2 LLM) for PROMPTS, greedy with top-2 logprobs and prompt logprobs."""
-    params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=2),
-              SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, prompt_logprobs=1),
-              SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, n=2)]
-    one = LLM(str(path), **KW, **extra).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(str(path), tensor_parallel_size=2, **KW, **extra)
-    return one, llm.generate(PROMPTS, params, use_tqdm=False), llm
-
-
-def _assert_same(one, two) -> None:
-    for a, b in zip(one, two):
-        assert a.error is None and b.error is None
-        for ca, cb in zip(a.outputs, b.outputs):
-            assert ca.token_ids == cb.token_ids
-            for ea, eb in zip(ca.logprobs, cb.logprobs):
-                assert ea.keys() == eb.keys()
-                for t in ea:
-                    assert abs(ea[t].logprob - eb[t].logprob) < 1e-4
-        if a.prompt_logprobs is not None:
-            for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-                for t in ea:
-                    assert abs(ea[t].logprob - eb[t].logprob) < 1e-4
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, smol_tokenizer, one_thread):
     """qwen3 (q/k norms, 4 query heads over 2 KV heads: one KV head per rank), TP=1 vs TP=2."""
     path = make_checkpoint(tmp_path_factory.mktemp("tp") / "qwen3", "qwen3", smol_tokenizer, seed=3)
-    one, two, llm = _pair(path)
+    one, two, llm = tp_pair(path)
     yield one, two, llm
     llm.engine.close()
 
 
 def test_dense_tp2_matches_tp1(qwen3):
     one, two, _ = qwen3
-    _assert_same(one, two)
+    assert_same(one, two)
 
 
 def test_rank0_holds_its_slice(qwen3):
@@ -92,9 +64,9 @@ def test_replicated_kv_heads_tied_vocab(tmp_path_factory, smol_tokenizer, one_th
     """qwen2: one KV head for two ranks (replicated), qkv bias, lm_head tied to the vocab-parallel embedding."""
     path = make_checkpoint(tmp_path_factory.mktemp("tp") / "qwen2", "qwen2", smol_tokenizer, seed=4,
                            num_key_value_heads=1)
-    one, two, llm = _pair(path)
+    one, two, llm = tp_pair(path)
     try:
-        _assert_same(one, two)
+        assert_same(one, two)
         m = llm.engine.model
         assert m.lm_head.weight is m.model.embed_tokens.weight
         assert m.model.layers[0].self_attn.num_kv_heads == 1
@@ -107,9 +79,9 @@ def test_moe_tp2_matches_tp1(tmp_path_factory, smol_tokenizer, one_thread):
     from hybrid_helpers import make_hybrid_checkpoint
 
     path = make_hybrid_checkpoint(tmp_path_factory.mktemp("tp") / "qwen3_moe", "qwen3_moe", smol_tokenizer, seed=6)
-    one, two, llm = _pair(path)
+    one, two, llm = tp_pair(path)
     try:
-        _assert_same(one, two)
+        assert_same(one, two)
         experts = llm.engine.model.model.layers[0].mlp.experts
         assert tuple(experts.gate_up_proj.shape) == (4, 32, 64) and tuple(experts.down_proj.shape) == (4, 64, 16)
     finally:
@@ -227,21 +199,14 @@ def test_formats_load_their_rank_slice():
 
 def test_expert_format_loads_its_rank_slice():
     """Stacked [E, 2I, H] / [E, H, I] tensors and per-expert shards land as the same local slices."""
-    from lamina.models.layers.moe import FusedExperts
     from lamina.models.weight_formats import weight_loader
     from lamina.parallel.tp_formats import TPExperts
 
     gate_up, down = torch.randn(3, 8, 5), torch.randn(3, 5, 4)
-    stacked = FusedExperts(3, 5, 4, fmt=TPExperts(ParallelContext(1, 2)))
-    weight_loader(stacked, "gate_up_proj")(stacked.gate_up_proj, gate_up)
-    weight_loader(stacked, "down_proj")(stacked.down_proj, down)
+    stacked = load_experts(TPExperts(ParallelContext(1, 2)), gate_up, down, per_expert=False)
     assert torch.equal(stacked.gate_up_proj, torch.cat([gate_up[:, 2:4], gate_up[:, 6:]], dim=1))
     assert torch.equal(stacked.down_proj, down[:, :, 2:])
-    each = FusedExperts(3, 5, 4, fmt=TPExperts(ParallelContext(1, 2)))
-    for e in range(3):
-        weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[e, :4], "gate", e)
-        weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[e, 4:], "up", e)
-        weight_loader(each, "down_proj")(each.down_proj, down[e], None, e)
+    each = load_experts(TPExperts(ParallelContext(1, 2)), gate_up, down, per_expert=True)
     assert torch.equal(each.gate_up_proj, stacked.gate_up_proj) and torch.equal(each.down_proj, stacked.down_proj)
     with pytest.raises(ValueError, match=r"expects shape \(4, 5\), the checkpoint has \(2, 5\)"):
         weight_loader(each, "gate_up_proj")(each.gate_up_proj, gate_up[0, :2], "gate", 0)

@@ -14,7 +14,7 @@ import pytest
 from hybrid_helpers import make_hybrid_checkpoint
 from mamba2_factory import make_mamba2_checkpoint
 from model_factory import make_checkpoint
-from test_tensor_parallel import _assert_same
+from tp_helpers import assert_same
 
 from lamina import LLM, SamplingParams
 from lamina.spec.config import parse_speculative_config
@@ -81,12 +81,12 @@ def qwen3_next(tmp_path_factory, smol_tokenizer):
 def test_qwen3_next_tp2_matches_tp1_and_hits_the_cache(qwen3_next):
     one, two, _ = qwen3_next
     ref = one.generate(PROMPTS, PARAMS, use_tqdm=False)
-    _assert_same(ref, two.generate(PROMPTS, PARAMS, use_tqdm=False))
+    assert_same(ref, two.generate(PROMPTS, PARAMS, use_tqdm=False))
     snaps = two.engine.snapshots
     hits = snaps.hits
     again = two.generate([LONG], PARAMS[0], use_tqdm=False)  # restored from rank 0's snapshot on every rank
     assert again[0].num_cached_tokens == 28 and snaps.hits == hits + 1
-    _assert_same(ref[:1], again)
+    assert_same(ref[:1], again)
     assert _all_free(two)
 
 
@@ -156,10 +156,10 @@ def test_nemotron_h_tp2_matches_tp1(tmp_path_factory, smol_tokenizer):
     ref = LLM(str(path), **KW).generate(PROMPTS, PARAMS, use_tqdm=False)
     two = LLM(str(path), tensor_parallel_size=2, enable_prefix_caching=True, state_snapshot_interval=8, **KW)
     try:
-        _assert_same(ref, two.generate(PROMPTS, PARAMS, use_tqdm=False))
+        assert_same(ref, two.generate(PROMPTS, PARAMS, use_tqdm=False))
         again = two.generate([LONG], PARAMS[0], use_tqdm=False)
         assert again[0].num_cached_tokens == 28
-        _assert_same(ref[:1], again)
+        assert_same(ref[:1], again)
         mixer = two.engine.model.model.layers[0].self_attn
         assert (mixer.num_heads, mixer.n_groups, mixer.intermediate) == (4, 1, 32)
         assert tuple(mixer.ssm_state.shape[1:]) == (4, 8, 16) and tuple(mixer.conv_state.shape[1:]) == (64, 3)
@@ -179,7 +179,7 @@ def test_more_hybrid_families_tp2(family, tmp_path_factory, smol_tokenizer):
     ref = LLM(str(path), **KW).generate(PROMPTS, PARAMS, use_tqdm=False)
     two = LLM(str(path), tensor_parallel_size=2, **KW)
     try:
-        _assert_same(ref, two.generate(PROMPTS, PARAMS, use_tqdm=False))
+        assert_same(ref, two.generate(PROMPTS, PARAMS, use_tqdm=False))
         assert _all_free(two)
     finally:
         two.engine.close()

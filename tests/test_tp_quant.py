@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from fp8_checkpoints import block_quantizer, write_quantized
-from test_tensor_parallel import KW, _assert_same, _pair
+from tp_helpers import KW, assert_same, tp_pair
 
 from lamina import LLM, SamplingParams
 from lamina.models.weight_formats.base import Cut
@@ -27,9 +27,9 @@ def _formats(llm: LLM, kind) -> dict[str, object]:
 
 
 def _run(path, **extra):
-    one, two, llm = _pair(path, **extra)
+    one, two, llm = tp_pair(path, **extra)
     try:
-        _assert_same(one, two)
+        assert_same(one, two)
         return _formats(llm, (QuantParallel, QuantTPExperts))
     finally:
         llm.engine.close()
@@ -261,9 +261,9 @@ def test_fp8_kv_cache_with_checkpoint_scales_tp2_matches_tp1(checkpoints, tmp_pa
     from test_fp8_kv_cache import with_kv_scales
 
     path = with_kv_scales(checkpoints["llama"], tmp_path / "llama", 0.25, 0.125, "ct")
-    one, two, llm = _pair(path, kv_cache_dtype="fp8")
+    one, two, llm = tp_pair(path, kv_cache_dtype="fp8")
     try:
-        _assert_same(one, two)
+        assert_same(one, two)
         layers = [m for m in llm.engine.model.modules() if hasattr(m, "set_kv_scales")]
         assert [m.kv_scales for m in layers] == [(0.25, 0.125)] * 2
         assert llm.engine.kv_cache.views[0].k.dtype == torch.float8_e4m3fn

@@ -114,15 +114,7 @@ class PrefixCache:
         snapshots, that has a snapshot at its end); each block's chain hash names its whole prefix."""
         bs = self.block_size
         blocks = [self.allocator.lookup(h) for h in hashes]
-        run = 0  # cached blocks ending at index d - 1
-        best, snap = 0, None
-        for d in range(1, len(blocks) + 1):
-            run = run + 1 if blocks[d - 1] is not None else 0
-            if run < d - first_live_block(d * bs, self.window, bs):
-                continue
-            s = self.snapshots.lookup(hashes[d - 1]) if self.snapshots is not None else None
-            if self.snapshots is None or s is not None:
-                best, snap = d, s
+        best, snap = self._deepest_live(blocks, hashes, self.window)
         start = first_live_block(best * bs, self.window, bs)
         found = [self.allocator.null_block] * start + blocks[start:best]
         for b in found[start:]:
@@ -134,14 +126,7 @@ class PrefixCache:
         [first_live_block(d * bs), d) are cached too (and, with snapshots, that has a snapshot at its end)."""
         bs, wg = self.block_size, self.window_group
         wins = [wg.allocator.lookup(h) for h in hashes[:len(found)]]
-        run, best, snap = 0, 0, None
-        for d in range(1, len(found) + 1):
-            run = run + 1 if wins[d - 1] is not None else 0
-            if run < d - first_live_block(d * bs, wg.window, bs):
-                continue
-            s = self.snapshots.lookup(hashes[d - 1]) if self.snapshots is not None else None
-            if self.snapshots is None or s is not None:
-                best, snap = d, s
+        best, snap = self._deepest_live(wins, hashes, wg.window)
         start = first_live_block(best * bs, wg.window, bs)
         seq.window_table = [wg.allocator.null_block] * start + wins[start:best]
         for b in seq.window_table[start:]:
@@ -150,6 +135,22 @@ class PrefixCache:
         for b in found:
             self.allocator.share(b)
         return found, snap
+
+    def _deepest_live(self, blocks: list[int | None], hashes: list[bytes], window: int
+                      ) -> tuple[int, int | None]:
+        """(d, its snapshot): the largest d whose blocks [first_live_block(d * bs, window), d) are all cached
+        (None: not cached) and, with snapshots, that has a snapshot at its end; (0, None) when none has."""
+        bs = self.block_size
+        run = 0  # cached blocks ending at index d - 1
+        best, snap = 0, None
+        for d in range(1, len(blocks) + 1):
+            run = run + 1 if blocks[d - 1] is not None else 0
+            if run < d - first_live_block(d * bs, window, bs):
+                continue
+            s = self.snapshots.lookup(hashes[d - 1]) if self.snapshots is not None else None
+            if self.snapshots is None or s is not None:
+                best, snap = d, s
+        return best, snap
 
     def cached_depth(self, seq: CachedSequence) -> int:
         """Leading blocks of a waiting sequence whose KV is cached now (not counting the block it must

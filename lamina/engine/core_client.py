@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import msgspec
@@ -54,9 +53,9 @@ from lamina.engine.streams import (
     EngineError,
     EngineObserver,
     RequestStream,
+    StreamingClient,
     deliver,
 )
-from lamina.outputs import RequestOutput
 from lamina.sampling_params import SamplingParams
 
 log = logging.getLogger("lamina")
@@ -77,7 +76,7 @@ class CoreBackend(Protocol):
     def kill(self) -> None: ...
 
 
-class CoreClient:
+class CoreClient(StreamingClient):
     def __init__(self, backend: CoreBackend, observer: EngineObserver | None = None, tokenizer=None) -> None:
         self.backend = backend
         self.observer = observer
@@ -239,16 +238,6 @@ class CoreClient:
         except zmq.Again:
             raise EngineDeadError("the engine core is not reading its input") from None
 
-    async def generate(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """add_request + iterate; aborts the request when the consumer stops early."""
-        stream = await self.add_request(request_id, prompt, params)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
 
     # ---- receiver thread ------------------------------------------------------------------------
     def _receive(self) -> None:

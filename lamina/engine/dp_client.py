@@ -21,7 +21,6 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -33,8 +32,7 @@ from lamina.engine.core_proc import CoreProcess
 from lamina.engine.dp_router import PrefixRouter
 from lamina.engine.engine_stats import EngineStats
 from lamina.engine.ipc import CoreInfo, IterationStats
-from lamina.engine.streams import EngineDeadError, EngineObserver, RequestStream
-from lamina.outputs import RequestOutput
+from lamina.engine.streams import EngineDeadError, EngineObserver, RequestStream, StreamingClient
 from lamina.sampling_params import SamplingParams
 
 log = logging.getLogger("lamina")
@@ -148,7 +146,7 @@ class _Backends:
             c.backend.kill()
 
 
-class DPClient:
+class DPClient(StreamingClient):
     def __init__(self, clients: list[CoreClient], block_size: int, stats: ReplicaStats | None = None) -> None:
         self.clients = clients
         self.stats = stats
@@ -279,13 +277,3 @@ class DPClient:
     def replica_of(self, request_id: str) -> int | None:
         with self._lock:
             return self._owner.get(request_id)
-
-    async def generate(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            if not stream.finished:
-                self.abort(request_id)

@@ -8,6 +8,7 @@ from typing import Protocol
 from lamina.engine.engine import EngineStats
 from lamina.engine.ipc import IterationStats
 from lamina.outputs import RequestOutput
+from lamina.sampling_params import SamplingParams
 
 
 class EngineError(RuntimeError):
@@ -62,6 +63,29 @@ class RequestStream:
     async def _iter(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             yield await self.get()
+
+
+class StreamingClient:
+    """generate() for a client that adds requests and aborts them: CoreClient, and DPClient (dp_client.py),
+    which routes each to one of its CoreClients."""
+
+    async def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams
+                          ) -> RequestStream:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def generate(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate; aborts the request when the consumer stops early."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

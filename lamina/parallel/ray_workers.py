@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from lamina.parallel.context import ParallelFailure, connect
-from lamina.parallel.step_message import send_step, send_stop
+from lamina.parallel.rank_group import RankGroup
+from lamina.parallel.step_message import send_stop
 from lamina.parallel.workers import COLLECTIVE_TIMEOUT, _free_port
 
 log = logging.getLogger("lamina")
@@ -84,16 +85,14 @@ class RankActor:
         worker_main(rank, world, port, config, _ErrorLine(rank), log_level, host=host, device_index=index)
 
 
-class RayTPGroup:
+class RayTPGroup(RankGroup):
     """Rank 0's handle on its actors: the same interface as workers.TPGroup."""
 
     def __init__(self, config: Any, device: torch.device) -> None:
         ray = _import_ray()
         from ray.util.placement_group import placement_group
 
-        self.world = config.tensor_parallel_size
-        self.device = device
-        self.failure: str | None = None
+        super().__init__(config.tensor_parallel_size, device)
         self._ray = ray
         on_cuda = device.type == "cuda"
         env = {"env_vars": dict(_NOSET)} if on_cuda else None
@@ -178,28 +177,12 @@ class RayTPGroup:
         ready, _ = self._ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout, fetch_local=False)
         return [self.runs.index(ref) + 1 for ref in ready]
 
-    def check(self) -> None:
-        """Raises ParallelFailure if a worker has exited (or an earlier step found one gone)."""
-        if self.failure is None:
-            ended = self._ended(0)
-            if ended:
-                self.failure = f"tensor-parallel worker {ended[0]} (Ray actor) exited: {self._reason(ended[0])}"
-        if self.failure is not None:
-            raise ParallelFailure(self.failure)
+    def _ended_worker(self) -> str | None:
+        ended = self._ended(0)
+        return f"tensor-parallel worker {ended[0]} (Ray actor) exited: {self._reason(ended[0])}" if ended else None
 
-    def send_step(self, batch) -> None:
-        self.check()
-        send_step(self.ctx, batch)
-
-    def fail(self, exc: BaseException) -> ParallelFailure:
-        """As TPGroup.fail: names the worker that ended when one did, else keeps exc's message."""
-        if self.failure is None:
-            self._ended(2.0)
-            with contextlib.suppress(ParallelFailure):
-                self.check()
-        if self.failure is None:
-            self.failure = str(exc)
-        return ParallelFailure(self.failure)
+    def _await_end(self, timeout: float) -> None:
+        self._ended(timeout)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tells the workers to stop (if they can still hear it), waits for them, frees the bundles."""

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from lamina.parallel.context import ParallelFailure, connect
+from lamina.parallel.rank_group import RankGroup
 from lamina.parallel.state_ops import recv_state
-from lamina.parallel.step_message import recv_step, send_step, send_stop
+from lamina.parallel.step_message import recv_step, send_stop
 
 log = logging.getLogger("lamina")
 
@@ -75,14 +76,11 @@ def _children_allowed():
             config.pop("daemon", None)
 
 
-class TPGroup:
+class TPGroup(RankGroup):
     """Rank 0's handle on its workers: start them, send each step, notice their death, stop them."""
 
     def __init__(self, config: Any, device: torch.device) -> None:
-        self.world = config.tensor_parallel_size
-        self.device = device
-        self.failure: str | None = None
-        self.state_log = None  # a StateOpLog once rank 0's state pool reports to it (attach_state)
+        super().__init__(config.tensor_parallel_size, device)
         port = _free_port()
         mp = multiprocessing.get_context("spawn")
         self.pipes, self.procs = [], []
@@ -105,47 +103,18 @@ class TPGroup:
                 return f": {pipe.recv()}"
         return ""
 
-    def check(self) -> None:
-        """Raises ParallelFailure if a worker has exited (or an earlier step found one gone)."""
-        if self.failure is None:
-            for i, proc in enumerate(self.procs):
-                if not proc.is_alive():
-                    self.failure = (f"tensor-parallel worker {i + 1} (pid {proc.pid}) exited with code "
-                                    f"{proc.exitcode}{self._worker_error(i)}")
-                    break
-        if self.failure is not None:
-            raise ParallelFailure(self.failure)
+    def _ended_worker(self) -> str | None:
+        for i, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                return (f"tensor-parallel worker {i + 1} (pid {proc.pid}) exited with code {proc.exitcode}"
+                        f"{self._worker_error(i)}")
+        return None
 
-    def attach_state(self, pool) -> None:
-        """A model with a state pool: each step carries its state metadata and rank 0's copies since the last
-        one (parallel/state_ops.py)."""
-        from lamina.parallel.state_ops import StateOpLog, attach
-
-        self.state_log = StateOpLog()
-        attach(pool, self.state_log)
-
-    def send_step(self, batch) -> None:
-        self.check()
-        send_step(self.ctx, batch)
-        if self.state_log is not None:
-            from lamina.parallel.state_ops import send_state
-
-            send_state(self.ctx, batch, self.state_log)
-
-    def fail(self, exc: BaseException) -> ParallelFailure:
-        """A step failed with `exc` (a ParallelFailure): the group is broken for good. Returns the error to
-        raise: it names the worker that exited when one did (a collective fails as soon as its peer's socket
-        closes, maybe before the exit is seen), else it keeps exc's message."""
-        if self.failure is None:
-            ended = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=2.0)
-            for proc in self.procs:  # its sentinel closes a moment before it can be reaped
-                if proc.sentinel in ended:
-                    proc.join(2.0)
-            with contextlib.suppress(ParallelFailure):
-                self.check()
-        if self.failure is None:
-            self.failure = str(exc)
-        return ParallelFailure(self.failure)
+    def _await_end(self, timeout: float) -> None:
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=timeout)
+        for proc in self.procs:  # its sentinel closes a moment before it can be reaped
+            if proc.sentinel in ended:
+                proc.join(timeout)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tells the workers to stop (if they can still hear it) and waits for them."""

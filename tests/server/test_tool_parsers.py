@@ -116,6 +116,19 @@ def test_required_and_named_formats():
     assert calls[0][1:] == ("search", '{"query": "x"}')
 
 
+def test_call_arrays_open_empty_or_broken():
+    """The JSON call arrays (tool_choice "required", mistral before v11): "required" needs a call, mistral's may
+    be empty; an array still open or holding a non-object is not ok once final; while streaming, an open
+    array is ok with its calls so far."""
+    required, mistral = RequiredToolParser(TOOLS), get_parser("mistral")(TOOLS)
+    assert not required.scan("[]", final=True).ok and mistral.scan("[TOOL_CALLS] []", final=True).ok
+    head = '[{"name": "search", "parameters": {"query": "x"}}'
+    assert not required.scan(head, final=True).ok
+    partial = required.scan(head + ', {"name": "sea', final=False)
+    assert partial.ok and [c.name for c in partial.calls] == ["search", None]  # a name counts once closed
+    assert not required.scan("[1]", final=False).ok and not mistral.scan("[TOOL_CALLS] [1]", final=False).ok
+
+
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="hermes"):
         get_parser("nope")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lamina.cache.specs import RecurrentStateSpec, SlotRows, StateTensor
+from lamina.cache.specs import RecurrentStateSpec, StateTensor
 from lamina.kernels.conv1d import causal_conv1d_varlen
 from lamina.kernels.gated_delta import gated_delta_rule_varlen
 from lamina.kernels.gdn_conv_decode import ConvCounters
@@ -24,6 +24,7 @@ from lamina.kernels.norm_gated import rms_norm_gated
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.gdn_decode_path import fused_conv_recurrent, fused_norm_out_proj
 from lamina.models.layers.linear import Linear
+from lamina.models.layers.recurrent_state import ConvSsmState
 
 # The recurrent state integrates over the whole sequence: fp32 whatever the model dtype (as HF's and fla's).
 RECURRENT_DTYPE = torch.float32
@@ -39,7 +40,7 @@ class GatedRMSNorm(nn.Module):
         return rms_norm_gated(x, gate, self.weight, self.eps)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(ConvSsmState, nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
         g = cfg.gdn
@@ -61,24 +62,12 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported gated delta net activation {cfg.hidden_act!r}")
-        self._state: SlotRows | None = None  # bound by the engine (state-pool rows; stable for CUDA graphs)
         self.conv_counters = ConvCounters()  # the fused conv + recurrent decode kernel's (gdn_decode_path)
 
     def state_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         return RecurrentStateSpec((
             StateTensor("conv", (self.conv_dim, self.conv_kernel - 1), dtype),
             StateTensor("ssm", (self.num_v_heads, self.head_k_dim, self.head_v_dim), RECURRENT_DTYPE)))
-
-    def bind_state(self, view: SlotRows) -> None:
-        self._state = view
-
-    @property
-    def conv_state(self) -> torch.Tensor | None:  # [slots, C, K-1]; None unbound: zero state, nothing kept
-        return self._state["conv"] if self._state is not None else None
-
-    @property
-    def ssm_state(self) -> torch.Tensor | None:  # [slots, Hv, dk, dv] fp32
-        return self._state["ssm"] if self._state is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]

@@ -20,13 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lamina.cache.specs import RecurrentStateSpec, SlotRows, StateTensor
+from lamina.cache.specs import RecurrentStateSpec, StateTensor
 from lamina.kernels.conv1d import causal_conv1d_varlen
 from lamina.kernels.mamba_ssd import mamba_ssd_varlen
 from lamina.kernels.metadata import StepContext
 from lamina.kernels.norm_gated_grouped import grouped_gated_rms_norm
 from lamina.models.config import LayerSpec, ModelConfig
 from lamina.models.layers.linear import Linear
+from lamina.models.layers.recurrent_state import ConvSsmState
 
 SSM_DTYPE = torch.float32
 
@@ -43,7 +44,7 @@ class GroupedGatedRMSNorm(nn.Module):
         return grouped_gated_rms_norm(y, z, self.weight, self.group_size, self.eps)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(ConvSsmState, nn.Module):
     """Held as `self_attn` like every mixer (HF: `mixer` in Nemotron-H, `mamba` in Bamba; families map it).
 
     Parameters, named as HF's: in_proj (one matmul, z | xBC | dt), conv1d.weight [C, 1, K] (+ bias), dt_bias,
@@ -69,23 +70,11 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(self.num_heads))
         self.norm = GroupedGatedRMSNorm(self.intermediate, self.intermediate // self.n_groups, m.norm_eps)
         self.out_proj = Linear(self.intermediate, cfg.hidden_size, bias=m.proj_bias)
-        self._state: SlotRows | None = None  # bound by the engine (state-pool rows; stable for CUDA graphs)
 
     def state_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         return RecurrentStateSpec((
             StateTensor("conv", (self.conv_dim, self.conv_kernel - 1), dtype),
             StateTensor("ssm", (self.num_heads, self.head_dim, self.state_size), SSM_DTYPE)))
-
-    def bind_state(self, view: SlotRows) -> None:
-        self._state = view
-
-    @property
-    def conv_state(self) -> torch.Tensor | None:  # [slots, C, K-1]; None unbound: zero state, nothing kept
-        return self._state["conv"] if self._state is not None else None
-
-    @property
-    def ssm_state(self) -> torch.Tensor | None:  # [slots, H, P, N] fp32
-        return self._state["ssm"] if self._state is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lamina.server.tools.base import PartialCall, Scan, ToolParser
-from lamina.server.tools.jsonscan import loads, scan_call, skip_ws, value_end
+from lamina.server.tools.jsonscan import loads, scan_call_array, skip_ws, value_end
 
 
 class RequiredToolParser(ToolParser):
@@ -18,22 +18,7 @@ class RequiredToolParser(ToolParser):
             return Scan("", [], ok=not final)
         if text[i] != "[":
             return Scan("", [], ok=False)
-        calls: list[PartialCall] = []
-        i = skip_ws(text, i + 1)
-        while i < len(text) and text[i] != "]":
-            if text[i] != "{":
-                return Scan("", calls, ok=False)
-            c = scan_call(text, i, ("parameters", "arguments"))
-            if not c.ok or (c.end is not None and (loads(text[i:c.end]) is None or not c.args_done)):
-                return Scan("", calls, ok=False)
-            calls.append(PartialCall(c.name, c.arguments, c.end is not None))
-            if c.end is None:
-                break
-            i = skip_ws(text, c.end)
-            if i < len(text) and text[i] == ",":
-                i = skip_ws(text, i + 1)
-        ok = not final or (i < len(text) and text[i] == "]" and all(c.complete for c in calls) and bool(calls))
-        return Scan("", calls, ok=ok)
+        return scan_call_array(text, i, "", final, ("parameters", "arguments"), at_least_one=True)
 
 
 class NamedToolParser(ToolParser):

@@ -1,9 +1,11 @@
 """Scanning JSON that may still be arriving: where a value ends (None: not yet), and the fields of a call
-object `{"name": ..., "arguments": ...}` read as far as the text goes."""
+object `{"name": ..., "arguments": ...}` (or an array of them) read as far as the text goes."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+from lamina.server.tools.base import PartialCall, Scan
 
 _WS = " \t\r\n"
 _DECODER = json.JSONDecoder()
@@ -115,3 +117,27 @@ def loads(text: str):
         return json.loads(text)
     except ValueError:
         return None
+
+
+def scan_call_array(text: str, i: int, content: str, final: bool,
+                    arg_keys: tuple[str, ...] = ("arguments", "parameters"), at_least_one: bool = False) -> Scan:
+    """Reads a JSON array of call objects from text[i] == "[" (mistral's, tool_choice "required"'s): the calls
+    so far, the last maybe partial. Not ok on anything else, nor (final) on an open array, an incomplete call
+    or (at_least_one) an empty array."""
+    calls: list[PartialCall] = []
+    i = skip_ws(text, i + 1)
+    while i < len(text) and text[i] != "]":
+        if text[i] != "{":
+            return Scan(content, calls, ok=False)
+        c = scan_call(text, i, arg_keys)
+        if not c.ok or (c.end is not None and (loads(text[i:c.end]) is None or not c.args_done)):
+            return Scan(content, calls, ok=False)
+        calls.append(PartialCall(c.name, c.arguments, c.end is not None))
+        if c.end is None:
+            break
+        i = skip_ws(text, c.end)
+        if i < len(text) and text[i] == ",":
+            i = skip_ws(text, i + 1)
+    ok = not final or (i < len(text) and text[i] == "]" and all(c.complete for c in calls)
+                       and (bool(calls) or not at_least_one))
+    return Scan(content, calls, ok=ok)

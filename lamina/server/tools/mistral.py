@@ -4,7 +4,7 @@ The markers are special tokens, kept in the text for this parser. Content is the
 from __future__ import annotations
 
 from lamina.server.tools.base import PartialCall, Scan, ToolParser, hold_back
-from lamina.server.tools.jsonscan import loads, scan_call, skip_ws, value_end
+from lamina.server.tools.jsonscan import loads, scan_call_array, skip_ws, value_end
 
 CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -22,26 +22,8 @@ class MistralToolParser(ToolParser):
         if i >= len(text):
             return Scan(content, [], ok=not final)
         if text[i] == "[":
-            return self._array(text, i, content, final)
+            return scan_call_array(text, i, content, final)
         return self._named(text, first, content, final)
-
-    def _array(self, text: str, i: int, content: str, final: bool) -> Scan:
-        calls: list[PartialCall] = []
-        i = skip_ws(text, i + 1)
-        while i < len(text) and text[i] != "]":
-            if text[i] != "{":
-                return Scan(content, calls, ok=False)
-            c = scan_call(text, i)
-            if not c.ok or (c.end is not None and (loads(text[i:c.end]) is None or not c.args_done)):
-                return Scan(content, calls, ok=False)
-            calls.append(PartialCall(c.name, c.arguments, c.end is not None))
-            if c.end is None:
-                break
-            i = skip_ws(text, c.end)
-            if i < len(text) and text[i] == ",":
-                i = skip_ws(text, i + 1)
-        ok = not final or (i < len(text) and text[i] == "]" and all(c.complete for c in calls))
-        return Scan(content, calls, ok=ok)
 
     def _named(self, text: str, pos: int, content: str, final: bool) -> Scan:
         calls: list[PartialCall] = []
