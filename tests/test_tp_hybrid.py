@@ -115,7 +115,8 @@ def test_qwen3_next_preemption(qwen3_next):
 
 def test_qwen3_next_ngram_and_rollback(qwen3_next):
     """ngram drafts verified on every rank (K+1 rows, candidate slots), then drafts forced wrong: every
-    verify step commits a candidate slot (rank 0's copy_slot, replayed on the worker)."""
+    verify step commits a candidate slot (rank 0 takes the candidate slot as the sequence's own: the slots travel with
+    each step, so every rank reads the same state)."""
     one, two, spec = qwen3_next
     prompts = _prompts(4, seed=0)
     ref = _tokens(one, prompts, GREEDY)
