@@ -60,6 +60,17 @@ class ForwardTimer:
         return times[len(times) // 2] if times else None
 
 
+    def forwards_of(self, label: str) -> dict:
+        """Every forward of run `label`: their total and largest device time (step time minus this is host time
+        the step loop did not overlap; one huge forward is an eager fallback)."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for lb, t, b, s, e in self.by_label if lb == label]
+        return {"forward_total_ms": round(sum(times), 2), "forward_max_ms": round(max(times, default=0.0), 3),
+                "num_forwards": len(times)}
+
     def median_ms_of(self, label: str, tokens: int, seqs: int) -> float | None:
         """Median forward time of run `label`'s steps of exactly this shape (None: no such step)."""
         import torch
@@ -155,9 +166,22 @@ def stage_forced(args, kind: str) -> dict:
               "cuda_graphs": eng.runner.graphs is not None, "input_len": z["input_len"],
               "output_len": z["output_len"], "runs": {}}
     runs = result["runs"]
+    # graph picks of each run (eager: None): a spec run's steps must replay graphs as the plain run's do
+    picks: dict = {}
+    graphs = eng.runner.graphs
+    if graphs is not None:  # can_run: once per step (run() picks again)
+        def counted(batch, pick=graphs.pick):
+            key = pick(batch)
+            kind = "eager" if key is None else "verify" if key.verify else "decode" if key.decode else "mixed"
+            if timer.label is not None:  # the timed pass
+                picks[kind] = picks.get(kind, 0) + 1
+            return key is not None
+        graphs.can_run = counted
     for b in z["batch"]:
         eng.spec = None  # plain decoding in the same engine (weights, graphs, pool)
+        picks.clear()
         plain = timed(llm, prompts[:b], z["output_len"], f"plain_b{b}", timer)
+        plain.update(timer.forwards_of(f"plain_b{b}"), graph_picks=dict(picks))
         eng.spec = spec
         # the plain run's outputs are the drafts' reference (forced acceptance keeps the output on it)
         spec.proposer.reference.update({tuple([(p[0] + w) % 1000] + p[1:]): o for p, o in zip(prompts[:b],
@@ -172,8 +196,11 @@ def stage_forced(args, kind: str) -> dict:
 
             def fresh(settings=settings, spec=spec):
                 spec.gate, spec.batch_gate = AcceptanceGate(settings), BatchGate(settings)
+            picks.clear()
             r = timed(llm, prompts[:b], z["output_len"], label, timer, fresh)
             r.pop("outputs")
+            r.update(timer.forwards_of(label), own_decode_forward_ms=timer.median_ms_of(label, b, b),
+                     graph_picks=dict(picks))
             verify_ms = timer.median_ms_of(label, b * (K + 1), b)
             r.update({"p": p, "gated": gated, "expected_mean_accepted_length": 1 + p + p * p + p ** 3,
                       "speedup": plain["elapsed_s"] / r["elapsed_s"], "decode_forward_ms": decode_ms,
@@ -206,6 +233,15 @@ def forced_summary_lines(res: dict) -> list[str]:
     return lines
 
 
+def _fwd(r: dict) -> str:
+    """Device time of the run's forwards per engine step (the rest of step ms is host time not overlapped), its
+    largest forward, and the steps that ran without a graph."""
+    if "forward_total_ms" not in r:
+        return " | "
+    return (f"{r['forward_total_ms'] / max(1, r['steps']):.2f} ({r['forward_max_ms']:.1f}) | "
+            f"{r.get('graph_picks', {}).get('eager', 0)}")
+
+
 def forced_markdown(res: dict) -> list[str]:
     """The forced-acceptance tables, one per model."""
     lines = []
@@ -216,19 +252,20 @@ def forced_markdown(res: dict) -> list[str]:
         lines += [f"### {f['model']} ({f['dtype']}, K = {f['k']}, CUDA graphs {f['cuda_graphs']}, "
                   f"{f['input_len']} prompt / {f['output_len']} output tokens, engine start {f['start_s']} s)", "",
                   "| run | batch | tok/s | vs plain | acceptance | mean accepted length (expected) | steps | "
-                  "step ms | forward ms: verify / decode | pauses (seq / batch) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "step ms | forward ms: verify / decode | pauses (seq / batch) | forward ms per step (max) | "
+                  "eager steps |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for label, r in f["runs"].items():
             b = label.rsplit("_b", 1)[1]
             if label.startswith("plain"):
                 lines.append(f"| plain | {b} | {r['output_tok_s']:.1f} | 1.00x | | | {r['steps']} | "
-                             f"{r['step_ms']:.2f} | | |")
+                             f"{r['step_ms']:.2f} | | | {_fwd(r)} |")
                 continue
             name = f"forced p = {r['p']}" + (" (default gate)" if r["gated"] else " (gate off)")
             lines.append(f"| {name} | {b} | {r['output_tok_s']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['acceptance_rate']:.3f} | {r['mean_accepted_length']:.2f} "
                          f"({r['expected_mean_accepted_length']:.2f}) | {r['steps']} | {r['step_ms']:.2f} | "
                          f"{_f(r['verify_forward_ms'], '.3f')} / {_f(r['decode_forward_ms'], '.3f')} = "
-                         f"{_f(r['verify_over_decode'])}x | {r['pauses']} / {r['batch_pauses']} |")
+                         f"{_f(r['verify_over_decode'])}x | {r['pauses']} / {r['batch_pauses']} | {_fwd(r)} |")
         lines.append("")
     return lines

@@ -18,8 +18,8 @@ chunks), whose chunk table and conv1d token blocks are built on the device from 
 padded sequences use the state pool's padding slot (graph_inputs.py). State snapshots for prefix caching are
 copies enqueued after the replay, as after an eager step. Their verify steps (speculative decoding: the state
 after every draft position goes to candidate slots) replay verify graphs (graph_keys.verify_keys), the only
-graphs that write candidate states; a verify step no verify graph fits (drafts next to a prefill chunk) runs
-eagerly. CUDA_GRAPHS.md has the details.
+graphs that write candidate states; a verify step no verify graph fits runs eagerly (the scheduler gives no
+drafts to a hybrid step with a prompt chunk: that ran the torch reference). CUDA_GRAPHS.md has the details.
 """
 from __future__ import annotations
 

@@ -415,5 +415,7 @@ class LLMEngine(StepReadback):
         if verify:
             forced = self.spec.forced_counts(sampled) if self.spec is not None else None
             accepted = accepted_on_device(draws.token_ids, sampled, forced)
+            if accepted.device.type == "cuda":  # to the host with the draws (their copy's event is recorded
+                accepted = accepted.to("cpu", non_blocking=True)  # after it): no second sync to read it back
         return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None,
                         accepted)

@@ -69,6 +69,16 @@ class ForwardBatch:
         return logits if self.sample_rows is None else logits.index_select(0, self.sample_rows)
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on the device without a host sync: a copy from pageable memory waits for the stream
+    to drain (the step in flight), one from pinned memory (PyTorch's caching host allocator, which keeps the
+    buffer until its copy ran) does not."""
+    t = torch.from_numpy(array)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """concat(arange(s, s + c) for s, c in zip(starts, counts)) without a Python loop."""
     total = int(counts.sum())
@@ -204,7 +214,7 @@ class ModelRunner:
                 table = np.zeros((b, width), np.int64)
                 for i, c in enumerate(cands):
                     table[i, :len(c)] = c
-                d_cands = torch.from_numpy(table).to(self.device, non_blocking=True)
+                d_cands = to_device(table, self.device)
             state = StateMetadata(dev[k], dev[k + 1], state_slots.tolist(), (start > 0).tolist(),
                                   cands if any(cands) else None, d_cands)
             k += 2

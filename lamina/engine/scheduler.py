@@ -123,10 +123,11 @@ class Scheduler:
             self.state_slots.free(slot)
         seq.candidate_slots = []
 
-    def trim(self, seq: Sequence) -> None:
-        """Frees the blocks past the sequence's computed positions (after a verify step rejected drafts, the
-        blocks grown for them may hold nothing kept). Never a registered block: those are full and computed."""
-        keep = (seq.num_computed_tokens + self.block_size - 1) // self.block_size
+    def trim(self, seq: Sequence, ahead: int = 0) -> None:
+        """Frees the blocks past the sequence's computed positions and `ahead` more (after a verify step rejected
+        drafts, the blocks grown for them may hold nothing kept). Never a registered block: those are full and
+        computed."""
+        keep = (seq.num_computed_tokens + ahead + self.block_size - 1) // self.block_size
         if len(seq.block_table) > keep:
             self.allocator.free(seq.block_table[:keep - 1:-1] if keep else seq.block_table[::-1])
             # A new list, not shrunk in place: the runner's block-table rows resend a replaced table, while
@@ -168,6 +169,8 @@ class Scheduler:
         # requests under their fair share.
         if not preempted or shares is not None:
             self._admit_waiting(budget, scheduled, shares, fresh_only=preempted)
+        if self.state_slots is not None:
+            self._no_drafts_next_to_prefill(scheduled)
         now = time.monotonic()
         for s in scheduled:
             if s.seq.first_scheduled_time is None:
@@ -213,6 +216,23 @@ class Scheduler:
         n = self._admit(seq, budget + refund, scheduled)
         shares.held = held_blocks(self.running)
         return n, refund
+
+    def _no_drafts_next_to_prefill(self, scheduled: list[ScheduledSeq]) -> None:
+        """Hybrid models: a step holding a prompt chunk (more known tokens than one) verifies no drafts. The
+        verify kernels and graphs take decode and verify rows only; a step mixing drafts with a prompt chunk
+        ran the per-token torch reference of the recurrent layers on the GPU (H200, Qwen3-Next-80B shape, 64
+        sequences, 2,048-token chunks: inferred ~7 s over the few admission steps, hence 88-191 ms a step on
+        average against an 18-31 ms forward). Its verify sequences decode plainly this step instead (lossless:
+        drafts are only guesses); the blocks grown for the drafts go back."""
+        if not any(s.num_tokens != max(s.num_sampled, 1) for s in scheduled):
+            return
+        for item in scheduled:
+            if item.num_drafts:
+                seq = item.seq
+                self.free_candidates(seq)
+                seq.draft_token_ids = []
+                item.num_tokens = item.num_sampled = 1
+                self.trim(seq, 1)
 
     def _drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """Draft tokens to verify after the sequence's last known token this step: those a proposer left in

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from lamina.engine.request import Sequence
+from lamina.engine.runner import to_device
 
 
 def verify_rows(sampled: list[tuple[Sequence, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -50,9 +51,9 @@ def accepted_on_device(tokens: torch.Tensor, sampled: list[tuple[Sequence, int, 
     real verify step; only which count stands changes (the engine then keeps the drafts, not the draws)."""
     row_draft, row_seq, row_off = verify_rows(sampled)
     dev = tokens.device
-    counted = count_accepted(tokens, torch.from_numpy(row_draft).to(dev), torch.from_numpy(row_seq).to(dev),
-                             torch.from_numpy(row_off).to(dev), len(sampled))
+    counted = count_accepted(tokens, to_device(row_draft, dev), to_device(row_seq, dev), to_device(row_off, dev),
+                             len(sampled))
     if forced is None:
         return counted
-    override = torch.from_numpy(np.asarray(forced, np.int64)).to(dev)
+    override = to_device(np.asarray(forced, np.int64), dev)
     return torch.where(override >= 0, override, counted)

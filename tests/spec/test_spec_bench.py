@@ -63,14 +63,14 @@ def test_replay_proposer_is_a_function_of_prompt_and_position():
 
     ref = {(1, 2): list(range(10, 30))}
     prop = ReplayProposer(0.5, 100, seed=3, reference=ref)
-    seq = lambda n: SimpleNamespace(prompt_token_ids=[1, 2], num_output_tokens=n)  # noqa: E731
+    seq = lambda n: SimpleNamespace(seq_id=0, prompt_token_ids=[1, 2], num_output_tokens=n)  # noqa: E731
     a = prop.propose([seq(0)], 6)[0]
     # the same positions give the same drafts, whatever the step's start and batch
     assert prop.propose([seq(2), seq(0)], 4)[1] == a[:4] and prop.propose([seq(2)], 4)[0] == a[2:6]
     assert all(d in (t, t + 1) for d, t in zip(a, range(10, 16)))
     assert ReplayProposer(1.0, 100, reference=ref).propose([seq(18)], 4)[0] == [28, 29]  # the reference ends
     assert ReplayProposer(0.0, 100, reference=ref).propose([seq(0)], 2)[0] == [11, 12]
-    assert prop.propose([SimpleNamespace(prompt_token_ids=[9], num_output_tokens=0)], 3)[0] == []
+    assert prop.propose([SimpleNamespace(seq_id=1, prompt_token_ids=[9], num_output_tokens=0)], 3)[0] == []
 
 
 def test_replay_is_bench_only(capsys, checkpoints):
