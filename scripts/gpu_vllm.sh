@@ -87,6 +87,9 @@ serve)
 structured)  # issue 16: the constrained step phase by phase on the real server path (lamina only, ~4 min)
   ck=/tmp/ck_qwen3_0.6b; tok=/tmp/keep/.gpu/tok; [ -d .gpu/tok ] && tok=$PWD/.gpu/tok
   [ -d $ck ] || python3 -m lamina.cli bench save-random qwen3-0.6b $ck --tokenizer "$tok" > /dev/null
+  # The sampler's bitmask kernel (Triton, compiled) against the torch reference first.
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_bitmask_kernel.py 2>&1 \
+    | tee "$OUT/bitmask_kernel_tests.log" | tail -2
   # The overlapped fill (default threads), then the same with the fill on the step loop's thread
   # (LAMINA_GRAMMAR_FILL_THREADS=0: no overlap), so one call gives both; mask_result/fill_wait against
   # fill_row say how much of the fill the batch build and the forward hid.
