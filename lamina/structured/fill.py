@@ -16,7 +16,9 @@ Verify runs (a row per draft: accept, fill, roll back) follow in the same worker
 
 Threads: LAMINA_GRAMMAR_FILL_THREADS (default min(8, usable cores // 2), at least 1) caps xgrammar's threads,
 at most one per ROWS_PER_THREAD rows; 0 fills on the calling thread with one thread (no overlap). Fewer rows
-than ROWS_PER_THREAD are filled on the calling thread at once (the hand-off costs more than it hides). An
+than LAMINA_GRAMMAR_FILL_MIN_ROWS (default ROWS_PER_THREAD) are filled on the calling thread at once: handing
+1-2 rows to a thread cost the loop ~0.35 ms on the loaded 2-core machine, measured while the per-matcher fill
+still held the lock; the H200 run with it at 1 says whether that still holds (scripts/gpu_vllm.sh). An
 idle xgrammar pool sleeps (measured: 0-10 ms of CPU over 1 s idle after fills, 1 to 4 threads).
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 ROWS_PER_THREAD = 8  # ~15-40 us a row on the H200 host: fewer rows per thread cost more to hand off than they save
 ENV_THREADS = "LAMINA_GRAMMAR_FILL_THREADS"
+ENV_MIN_ROWS = "LAMINA_GRAMMAR_FILL_MIN_ROWS"
 
 
 def default_fill_threads() -> int:
@@ -41,6 +44,16 @@ def default_fill_threads() -> int:
         return n
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     return max(1, min(8, cores // 2))
+
+
+def default_min_rows() -> int:
+    """LAMINA_GRAMMAR_FILL_MIN_ROWS if set (>= 1), else ROWS_PER_THREAD: the fewest rows filled in the background."""
+    value = os.environ.get(ENV_MIN_ROWS)
+    if value is None or not value.strip():
+        return ROWS_PER_THREAD
+    if int(value) < 1:
+        raise ValueError(f"{ENV_MIN_ROWS} must be >= 1, got {value}")
+    return int(value)
 
 
 def batch_threads(rows: int, threads: int) -> int:
@@ -68,18 +81,19 @@ class MaskFiller:
     """Runs a step's fill on one worker thread (made on the first background fill); not thread-safe: one
     caller, one fill at a time (the caller waits for a fill before starting the next)."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, min_rows: int | None = None) -> None:
         self.threads = default_fill_threads() if threads is None else threads
+        self.min_rows = default_min_rows() if min_rows is None else min_rows
         self._pool: ThreadPoolExecutor | None = None
         self._batch: dict[int, object] = {}  # xgrammar BatchGrammarMatcher by thread count
 
     def start(self, host: torch.Tensor, matchers: list, rows: list[int], jobs: list[Job], count: int,
               background: bool = True) -> PendingFill:
         """Fills host row rows[i] from matchers[i] (one batch call), then runs the jobs; count: the rows all
-        of it fills. On the worker when background, threads > 0 and count >= ROWS_PER_THREAD; else here."""
+        of it fills. On the worker when background, threads > 0 and count >= min_rows; else here."""
         if not matchers and not jobs:
             return PendingFill(None)
-        if not background or self.threads <= 0 or count < ROWS_PER_THREAD:
+        if not background or self.threads <= 0 or count < self.min_rows:
             return PendingFill(_done(self._fill, host, matchers, rows, jobs))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lamina-grammar-fill")

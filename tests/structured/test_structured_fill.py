@@ -33,6 +33,13 @@ def test_thread_counts(monkeypatch):
         default_fill_threads()
     monkeypatch.delenv("LAMINA_GRAMMAR_FILL_THREADS")
     assert 1 <= default_fill_threads() <= 8
+    monkeypatch.setenv("LAMINA_GRAMMAR_FILL_MIN_ROWS", "1")
+    assert MaskFiller(2).min_rows == 1
+    monkeypatch.setenv("LAMINA_GRAMMAR_FILL_MIN_ROWS", "0")
+    with pytest.raises(ValueError, match="LAMINA_GRAMMAR_FILL_MIN_ROWS"):
+        MaskFiller(2)
+    monkeypatch.delenv("LAMINA_GRAMMAR_FILL_MIN_ROWS")
+    assert MaskFiller(2).min_rows == ROWS_PER_THREAD
 
 
 @pytest.mark.parametrize("threads,background", [(0, True), (2, True), (2, False), (3, False)])
