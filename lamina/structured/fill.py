@@ -2,7 +2,7 @@
 step and runs (or launches) its forward.
 
 Which of xgrammar's fills (0.2.9) release the interpreter lock, measured on the development machine
-(/tmp-style experiment in BENCHMARKS.md: a pure-Python counter thread, 64 matchers of the bench schema inside
+(scripts/grammar_fill_gil.py, BENCHMARKS.md: a pure-Python counter thread, 64 matchers of the bench schema in
 a string): GrammarMatcher.fill_next_token_bitmask HOLDS it (311 of 320 single-row calls of ~0.7 ms each let
 the counter make no progress at all), while BatchGrammarMatcher.batch_fill_next_token_bitmask RELEASES it
 (the counter ran at its free rate through every 40 ms call). So a pool of Python threads each filling rows one
