@@ -123,8 +123,9 @@ def _install(path: str, sync: bool) -> None:
     t.wrap(state.GrammarState, "accept", "accept")
     t.wrap(manager.StructuredOutputManager, "bitmask", "bitmask")
     # The overlapped fill (structured/fill.py): starting it on the step loop, and the step loop's wait for
-    # it (with the host-to-device copies) before sampling; fill_row is summed over the filler's threads, so
-    # fill_row - fill_wait is the part of the fill that overlapped the batch build and the forward.
+    # it (with the host-to-device copies) before sampling; `fill` is the step's one batch fill (on the
+    # filler's worker; single-row fills, fill_row, only in verify runs), so fill - fill_wait is the part of the
+    # fill that overlapped the batch build and the forward.
     t.wrap(manager.StructuredOutputManager, "start_bitmask", "mask_start")
     t.wrap(getattr(manager, "PendingMask", None), "result", "mask_result")
     t.wrap(getattr(manager, "PendingFill", None), "wait", "fill_wait")

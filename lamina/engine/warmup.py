@@ -18,6 +18,7 @@ import random
 from typing import TYPE_CHECKING
 
 from lamina.sampling_params import SamplingParams
+from lamina.structured.bitmask import warm_up_bitmask
 
 if TYPE_CHECKING:
     from lamina.engine.engine import LLMEngine
@@ -75,4 +76,5 @@ def warm_up(engine: LLMEngine) -> int:
             engine.abort_request(rid)
     if engine.prefix_cache is not None:
         engine.prefix_cache.reset_stats()
+    warm_up_bitmask(engine.runner.vocab or engine.model_config.vocab_size, engine.runner.device)
     return count

@@ -5,6 +5,9 @@ Layout as xgrammar's: int32 [rows, ceil(vocab / 32)], token t in word t // 32, b
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 ALL_ALLOWED = -1  # every bit set
@@ -58,10 +61,15 @@ class BitmaskBuffers:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Sets logits[rows[i], t] = -inf where bit t of bitmask row i is clear, in place (logits [R, V] float,
     bitmask [N, ceil(V / 32)] int32 on the same device; rows: int64 [N] on that device, None: N = R and row
-    i is logits row i). On the CPU apply_bitmask_sparse (xgrammar's kernel where a row mostly allows);
-    elsewhere byte-wise tensor ops, with no host sync."""
+    i is logits row i). On the CPU apply_bitmask_sparse (xgrammar's kernel where a row mostly allows); on
+    CUDA one Triton launch (kernels/triton_bitmask.py); else byte-wise tensor ops. No host sync off the CPU."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and _has_xgrammar():
         apply_bitmask_sparse(logits, bitmask, rows)
+        return
+    if _use_triton(logits):
+        from lamina.kernels.triton_bitmask import apply_bitmask_triton
+
+        apply_bitmask_triton(logits, bitmask, rows)
         return
     if rows is None:
         logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
@@ -141,10 +149,38 @@ def masked_copy(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor 
         _sparse(out, logits, bitmask, rows)
         return out
     if rows is None:
+        if _use_triton(logits):  # one launch; the tensor ops below are ~6 launches (issue 16: ~200 us a step)
+            from lamina.kernels.triton_bitmask import masked_copy_triton
+
+            return masked_copy_triton(logits, bitmask)
         return torch.where(allowed_tokens(bitmask, logits.shape[1]), logits, float("-inf"))
     out = logits.clone()
     apply_bitmask(out, bitmask, rows)
     return out
+
+
+def warm_up_bitmask(vocab: int, device: torch.device) -> None:
+    """Compiles the sampler's bitmask kernels (masked copy, in place over chosen rows) on CUDA at start-up, so
+    the first constrained request does not pay Triton's compilation; nothing elsewhere."""
+    if torch.device(device).type != "cuda":
+        return
+    logits = torch.zeros((2, vocab), device=device)
+    if not _use_triton(logits):
+        return
+    bitmask = torch.full((2, bitmask_width(vocab)), ALL_ALLOWED, dtype=torch.int32, device=device)
+    masked_copy(logits, bitmask)
+    apply_bitmask(logits, bitmask[:1], torch.ones(1, dtype=torch.int64, device=device))
+
+
+def _use_triton(logits: torch.Tensor) -> bool:
+    """The Triton kernel serves CUDA float logits with unit stride along the vocabulary."""
+    return (logits.device.type == "cuda" and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and logits.stride(1) == 1 and _has_triton())
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _has_xgrammar() -> bool:

@@ -1,16 +1,25 @@
-"""Filling a step's token bitmask on a few worker threads, so the fill can run while the calling thread builds
-the step and runs (or launches) its forward.
+"""Filling a step's token bitmask off the step loop's thread, so the fill runs while that thread builds the
+step and runs (or launches) its forward.
 
-xgrammar's single-matcher fill releases the interpreter lock while it works; its batch fill
-(BatchGrammarMatcher, 0.2.9) holds it for the whole call (measured: another Python thread made no progress
-during a 4 ms batch fill of 256 rows), so it could not overlap the Python that builds the step, and its
-own threads were the suspects for the H200 core process's 99.6 s of CPU in an 8 s run (BENCHMARKS.md). So
-the rows are split into a few chunks, each filled row by row on a plain thread pool whose idle threads
-sleep.
+Which of xgrammar's fills (0.2.9) release the interpreter lock, measured on the development machine
+(scripts/grammar_fill_gil.py, BENCHMARKS.md: a pure-Python counter thread, 64 matchers of the bench schema in
+a string): GrammarMatcher.fill_next_token_bitmask HOLDS it (311 of 320 single-row calls of ~0.7 ms each let
+the counter make no progress at all), while BatchGrammarMatcher.batch_fill_next_token_bitmask RELEASES it
+(the counter ran at its free rate through every 40 ms call). So a pool of Python threads each filling rows one
+matcher at a time ran the rows one after another under the lock, and took it from the step loop for each row:
+on the H200 host at 64 rows, fill_row summed 9.8 ms over 8 threads against 3.1 ms on one, and the batch build
+(prepare) took 2.6 ms against 1.3 ms (scripts/gpu_vllm.sh structured, 2026-12-02).
 
-Threads: LAMINA_GRAMMAR_FILL_THREADS (default min(8, usable cores // 2), at least 1); 0 fills on the
-calling thread only (no overlap). A chunk has at least ROWS_PER_THREAD rows; fewer rows than that are
-filled on the calling thread at once (the hand-off costs more than it hides).
+Here a step's single-row grammars are filled by one batch call (xgrammar's own C++ threads, sized to the
+rows) on one worker thread: one hand-off per step, and the step loop keeps the lock while the rows fill.
+Verify runs (a row per draft: accept, fill, roll back) follow in the same worker call, one matcher at a time.
+
+Threads: LAMINA_GRAMMAR_FILL_THREADS (default min(8, usable cores // 2), at least 1) caps xgrammar's threads,
+at most one per ROWS_PER_THREAD rows; 0 fills on the calling thread with one thread (no overlap). Fewer rows
+than LAMINA_GRAMMAR_FILL_MIN_ROWS (default ROWS_PER_THREAD) are filled on the calling thread at once: handing
+1-2 rows to a thread cost the loop ~0.35 ms on the loaded 2-core machine, measured while the per-matcher fill
+still held the lock; the H200 run with it at 1 says whether that still holds (scripts/gpu_vllm.sh). An
+idle xgrammar pool sleeps (measured: 0-10 ms of CPU over 1 s idle after fills, 1 to 4 threads).
 """
 from __future__ import annotations
 
@@ -18,8 +27,11 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-ROWS_PER_THREAD = 8  # ~15-40 us a row: a smaller chunk costs more in hand-off than it saves
+import torch
+
+ROWS_PER_THREAD = 8  # ~15-40 us a row on the H200 host: fewer rows per thread cost more to hand off than they save
 ENV_THREADS = "LAMINA_GRAMMAR_FILL_THREADS"
+ENV_MIN_ROWS = "LAMINA_GRAMMAR_FILL_MIN_ROWS"
 
 
 def default_fill_threads() -> int:
@@ -34,84 +46,83 @@ def default_fill_threads() -> int:
     return max(1, min(8, cores // 2))
 
 
+def default_min_rows() -> int:
+    """LAMINA_GRAMMAR_FILL_MIN_ROWS if set (>= 1), else ROWS_PER_THREAD: the fewest rows filled in the background."""
+    value = os.environ.get(ENV_MIN_ROWS)
+    if value is None or not value.strip():
+        return ROWS_PER_THREAD
+    if int(value) < 1:
+        raise ValueError(f"{ENV_MIN_ROWS} must be >= 1, got {value}")
+    return int(value)
+
+
+def batch_threads(rows: int, threads: int) -> int:
+    """xgrammar threads for a batch fill of `rows`: one per ROWS_PER_THREAD rows, at most `threads`, at least 1."""
+    return max(1, min(threads, rows // ROWS_PER_THREAD))
+
+
 Job = Callable[[], None]  # fills some rows of the host bitmask; jobs touch disjoint rows and matchers
 
 
-def chunk_jobs(jobs: list[Job], threads: int) -> list[list[Job]]:
-    """jobs split into at most `threads` consecutive chunks of at least ROWS_PER_THREAD jobs (one chunk when
-    threads <= 1 or there are few jobs)."""
-    if not jobs:
-        return []
-    n = max(1, min(threads, len(jobs) // ROWS_PER_THREAD))
-    size, extra = divmod(len(jobs), n)
-    out, i = [], 0
-    for c in range(n):
-        k = size + (c < extra)
-        out.append(jobs[i:i + k])
-        i += k
-    return out
-
-
-def _run(chunk: list[Job]) -> None:
-    for job in chunk:
-        job()
-
-
 class PendingFill:
-    """Fill jobs started on the filler's threads (or already done); wait() returns once all have run and
-    re-raises the first error."""
+    """A fill started on the filler's worker (or already done); wait() returns once it has run and re-raises
+    its error."""
 
-    def __init__(self, futures: list[Future]) -> None:
-        self._futures = futures
+    def __init__(self, future: Future | None) -> None:
+        self._future = future
 
     def wait(self) -> None:
-        error = None
-        for f in self._futures:  # every one is waited for, so no job still writes once this returns
-            exc = f.exception()
-            if exc is not None and error is None:
-                error = exc
-        self._futures = []
-        if error is not None:
-            raise error
-
-
-def _run_here(chunk: list[Job]) -> Future:
-    """The chunk run on this thread, as a done future: its error is kept for wait(), as a worker's is."""
-    f: Future = Future()
-    try:
-        f.set_result(_run(chunk))
-    except Exception as exc:
-        f.set_exception(exc)
-    return f
+        f, self._future = self._future, None
+        if f is not None:
+            f.result()
 
 
 class MaskFiller:
-    """Runs a step's fill jobs on `threads` worker threads (made on the first background fill); not
-    thread-safe: one caller, one fill at a time (the caller waits for a fill before starting the next)."""
+    """Runs a step's fill on one worker thread (made on the first background fill); not thread-safe: one
+    caller, one fill at a time (the caller waits for a fill before starting the next)."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, min_rows: int | None = None) -> None:
         self.threads = default_fill_threads() if threads is None else threads
+        self.min_rows = default_min_rows() if min_rows is None else min_rows
         self._pool: ThreadPoolExecutor | None = None
+        self._batch: dict[int, object] = {}  # xgrammar BatchGrammarMatcher by thread count
 
-    def start(self, jobs: list[Job], background: bool = True) -> PendingFill:
-        """Starts the jobs: on the worker threads when background (and threads > 0), else on this thread
-        across the workers for many rows; right here for few (fewer than ROWS_PER_THREAD in the background,
-        2 x that when the caller waits at once): no hand-off for what one thread does quickly."""
-        if not jobs:
-            return PendingFill([])
-        # Few rows are filled right here, even for a background fill: handing one row to a thread cost the
-        # step loop ~0.35 ms on the loaded 2-core machine (BENCHMARKS.md), more than the row's fill.
-        if self.threads <= 0 or len(jobs) < (ROWS_PER_THREAD if background else 2 * ROWS_PER_THREAD):
-            return PendingFill([_run_here(jobs)])
+    def start(self, host: torch.Tensor, matchers: list, rows: list[int], jobs: list[Job], count: int,
+              background: bool = True) -> PendingFill:
+        """Fills host row rows[i] from matchers[i] (one batch call), then runs the jobs; count: the rows all
+        of it fills. On the worker when background, threads > 0 and count >= min_rows; else here."""
+        if not matchers and not jobs:
+            return PendingFill(None)
+        if not background or self.threads <= 0 or count < self.min_rows:
+            return PendingFill(_done(self._fill, host, matchers, rows, jobs))
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lamina-grammar-fill")
-        chunks = chunk_jobs(jobs, self.threads + (0 if background else 1))
-        futures = [self._pool.submit(_run, c) for c in (chunks if background else chunks[1:])]
-        if not background:  # the caller waits anyway: it fills a share itself
-            return PendingFill([_run_here(chunks[0]), *futures])
-        return PendingFill(futures)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lamina-grammar-fill")
+        return PendingFill(self._pool.submit(self._fill, host, matchers, rows, jobs))
+
+    def _fill(self, host: torch.Tensor, matchers: list, rows: list[int], jobs: list[Job]) -> None:
+        if matchers:
+            n = batch_threads(len(matchers), self.threads)
+            batch = self._batch.get(n)
+            if batch is None:
+                import xgrammar as xg
+
+                batch = self._batch[n] = xg.BatchGrammarMatcher(n)
+            batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        for job in jobs:
+            job()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._batch.clear()
+
+
+def _done(fn: Callable, *args) -> Future:
+    """fn(*args) run on this thread, as a done future: its error is kept for wait(), as the worker's is."""
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except Exception as exc:
+        f.set_exception(exc)
+    return f

@@ -180,14 +180,15 @@ class StructuredOutputManager:
         if not count:
             return None  # nothing to mask: the sampler skips the copy and the apply
         host = self._buffers.host(count)
-        jobs, bans, logit_rows = [], [], []  # bans: (row, token) of multi-token bad words, set after the fill
+        matchers, fill_rows, jobs, bans, logit_rows = [], [], [], [], []  # bans: (row, token) of bad words
         h = 0
         for r, n, seq in runs:
             logit_rows.extend(range(r, r + n))
             grammar = seq.grammar
             if grammar is not None and not grammar.terminated:
-                if n == 1:  # one fill_next_token_bitmask call (it releases the interpreter lock)
-                    jobs.append(partial(grammar.matcher.fill_next_token_bitmask, host, h))
+                if n == 1:  # filled in one batch call with the other single rows (structured/fill.py)
+                    matchers.append(grammar.matcher)
+                    fill_rows.append(h)
                 else:  # a verify run: each row after a draft, so one at a time (accept, fill, roll back)
                     jobs.append(partial(grammar.fill, host, h, list(seq.draft_token_ids), n))
             words = multi_token_bad_words(seq.params)
@@ -196,7 +197,8 @@ class StructuredOutputManager:
                 for j in range(n):
                     bans.extend((h + j, t) for t in _bad_word_bans(out + seq.draft_token_ids[:j], words))
             h += n
-        return PendingMask(self, host, logit_rows, count == len(rows), self._filler.start(jobs, background), bans)
+        fill = self._filler.start(host, matchers, fill_rows, jobs, count, background)
+        return PendingMask(self, host, logit_rows, count == len(rows), fill, bans)
 
     def close(self) -> None:
         """Stops the fill threads (they are made again if needed)."""

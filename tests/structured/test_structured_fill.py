@@ -1,4 +1,4 @@
-"""The bitmask filled on worker threads while the step is built and its forward runs (structured/fill.py):
+"""The bitmask filled on a worker thread while the step is built and its forward runs (structured/fill.py):
 the filler against jobs run in order, the manager's background fill against each matcher filled on its own
 (with multi-token bad words on a grammar row), and the engine's outputs with the fill overlapped equal to
 the fill after the forward and to the synchronous engine (greedy), at batch 1 and 16, mixed batches."""
@@ -14,20 +14,18 @@ import torch
 
 from lamina import SamplingParams
 from lamina.engine.inflight import InFlight
-from lamina.structured.fill import ROWS_PER_THREAD, MaskFiller, chunk_jobs, default_fill_threads
+from lamina.structured.fill import ROWS_PER_THREAD, MaskFiller, batch_threads, default_fill_threads
 from lamina.structured.params import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}}}
 
 
-def test_chunks_and_thread_count(monkeypatch):
-    jobs = list(range(50))
-    assert chunk_jobs(jobs, 1) == [jobs]
-    assert chunk_jobs(jobs[:ROWS_PER_THREAD + 1], 8) == [jobs[:ROWS_PER_THREAD + 1]]  # few rows: one job
-    parts = chunk_jobs(jobs, 4)
-    assert len(parts) == 4 and sum(parts, []) == jobs and all(len(p) >= ROWS_PER_THREAD for p in parts)
-    assert chunk_jobs([], 4) == []
+def test_thread_counts(monkeypatch):
+    assert batch_threads(ROWS_PER_THREAD - 1, 8) == 1  # few rows: one thread
+    assert batch_threads(4 * ROWS_PER_THREAD, 8) == 4  # sized to the rows
+    assert batch_threads(64 * ROWS_PER_THREAD, 8) == 8  # capped
+    assert batch_threads(64, 0) == 1
     monkeypatch.setenv("LAMINA_GRAMMAR_FILL_THREADS", "3")
     assert default_fill_threads() == 3
     monkeypatch.setenv("LAMINA_GRAMMAR_FILL_THREADS", "-1")
@@ -35,33 +33,37 @@ def test_chunks_and_thread_count(monkeypatch):
         default_fill_threads()
     monkeypatch.delenv("LAMINA_GRAMMAR_FILL_THREADS")
     assert 1 <= default_fill_threads() <= 8
+    monkeypatch.setenv("LAMINA_GRAMMAR_FILL_MIN_ROWS", "1")
+    assert MaskFiller(2).min_rows == 1
+    monkeypatch.setenv("LAMINA_GRAMMAR_FILL_MIN_ROWS", "0")
+    with pytest.raises(ValueError, match="LAMINA_GRAMMAR_FILL_MIN_ROWS"):
+        MaskFiller(2)
+    monkeypatch.delenv("LAMINA_GRAMMAR_FILL_MIN_ROWS")
+    assert MaskFiller(2).min_rows == ROWS_PER_THREAD
 
 
 @pytest.mark.parametrize("threads,background", [(0, True), (2, True), (2, False), (3, False)])
 def test_filler_runs_every_job_once_and_reraises(threads, background):
     filler = MaskFiller(threads)
     seen, where = [], set()
-    lock = threading.Lock()
+    host = torch.empty(0)
 
     def job(i):
-        with lock:
-            seen.append(i)
-            where.add(threading.current_thread().name)
+        seen.append(i)
+        where.add(threading.current_thread().name)
 
-    filler.start([lambda i=i: job(i) for i in range(40)], background).wait()
-    assert sorted(seen) == list(range(40))
-    if threads == 0:
-        assert where == {threading.current_thread().name}
-    elif background:
-        assert threading.current_thread().name not in where
+    filler.start(host, [], [], [lambda i=i: job(i) for i in range(40)], 40, background).wait()
+    assert seen == list(range(40))  # in order, on one thread
+    if threads and background:  # one hand-off: the worker ran them all
+        assert len(where) == 1 and threading.current_thread().name not in where
         where.clear()
-        filler.start([lambda: job(-1)] * (ROWS_PER_THREAD - 1), background).wait()  # few rows: no hand-off
-        assert where == {threading.current_thread().name}
+        filler.start(host, [], [], [lambda: job(-1)], ROWS_PER_THREAD - 1, background).wait()  # few rows: here
+    assert where == {threading.current_thread().name}
 
     def bad():
         raise RuntimeError("fill failed")
 
-    pending = filler.start([bad] + [lambda: None] * 20, background)
+    pending = filler.start(host, [], [], [bad] + [lambda: None] * 20, 21, background)
     with pytest.raises(RuntimeError, match="fill failed"):
         pending.wait()
     filler.close()
@@ -74,8 +76,9 @@ def _tokenizer():
 
 
 def test_background_fill_equals_each_matcher_and_keeps_bad_words():
-    """20 single-row grammars (two chunks on two threads), a verify run, and a grammar row that also has a
-    multi-token bad word: the mask is each matcher's own fill, with the bad word's last token banned too."""
+    """20 single-row grammars (one batch fill on the worker, two xgrammar threads), a verify run, and a
+    grammar row that also has a multi-token bad word: the mask is each matcher's own fill, with the bad
+    word's last token banned too."""
     pytest.importorskip("xgrammar")
     from lamina.structured.manager import StructuredOutputManager
     from lamina.structured.state import GrammarState
@@ -129,7 +132,7 @@ def engines():
                                       async_scheduling=async_scheduling), progress=False)
 
     overlapped = make(True)
-    overlapped.structured._filler = MaskFiller(2)  # 16 rows: two chunks on two threads
+    overlapped.structured._filler = MaskFiller(2)  # 16 rows: one batch fill, two xgrammar threads
     return overlapped, make(False)
 
 
