@@ -134,7 +134,13 @@ def test_ngram_speculation_identical(ckpts, family, scenario):
     llm = make(ckpts[family], speculative_config=NGRAM, **SPEC_SCENARIOS[scenario])
     assert tokens(llm.generate(prompts(), params, use_tqdm=False)) == ref
     st = llm.engine.stats()
-    assert st.num_spec_draft_tokens > 0  # a random model rarely follows the phrase: acceptance is tested below
+    # A hybrid step holding a prompt chunk verifies no drafts (Scheduler._no_drafts_next_to_prefill), and on
+    # these random models the n-gram drafts come from the prompt's own end, so with whole prompts in one chunk
+    # some families verify none; chunked prefill ends prompts on one-token chunks, which verify like decode
+    # rows, so there the drafts must reach verify steps. (A random model rarely follows the phrase:
+    # acceptance is tested below.)
+    if scenario in ("chunked", "preemption"):
+        assert st.num_spec_draft_tokens > 0
     assert all_free(llm)
 
 
