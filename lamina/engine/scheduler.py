@@ -17,6 +17,7 @@ from lamina.cache.kv_groups import WindowGroup, free_tables
 from lamina.cache.prefix_cache import PrefixCache
 from lamina.cache.sliding_window import drop_out_of_window
 from lamina.cache.slot_allocator import SlotAllocator
+from lamina.engine.draft_scheduling import DraftScheduling
 from lamina.engine.fair_share import (
     Shares,
     compute_shares,
@@ -61,7 +62,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
 
 
-class Scheduler:
+class Scheduler(DraftScheduling):
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, state_slots: SlotAllocator | None = None,
                  prefix_cache: PrefixCache | None = None, window: int | None = None,
@@ -216,48 +217,6 @@ class Scheduler:
         n = self._admit(seq, budget + refund, scheduled)
         shares.held = held_blocks(self.running)
         return n, refund
-
-    def _no_drafts_next_to_prefill(self, scheduled: list[ScheduledSeq]) -> None:
-        """Hybrid models: a step holding a prompt chunk (more known tokens than one) verifies no drafts. The
-        verify kernels and graphs take decode and verify rows only; a step mixing drafts with a prompt chunk
-        ran the per-token torch reference of the recurrent layers on the GPU (H200, Qwen3-Next-80B shape, 64
-        sequences, 2,048-token chunks: inferred ~7 s over the few admission steps, hence 88-191 ms a step on
-        average against an 18-31 ms forward). Its verify sequences decode plainly this step instead (lossless:
-        drafts are only guesses); the blocks grown for the drafts go back."""
-        if not any(s.num_tokens != max(s.num_sampled, 1) for s in scheduled):
-            return
-        for item in scheduled:
-            if item.num_drafts:
-                seq = item.seq
-                self.free_candidates(seq)
-                seq.draft_token_ids = []
-                item.num_tokens = item.num_sampled = 1
-                self.trim(seq, 1)
-
-    def _drafts(self, seq: Sequence, n: int, budget: int) -> int:
-        """Draft tokens to verify after the sequence's last known token this step: those a proposer left in
-        seq.draft_token_ids, capped so the step's output (drafts + 1) stays within max_tokens and the budget.
-        Drafts not scheduled are dropped (they were proposed for this step only)."""
-        if not seq.draft_token_ids:
-            return 0
-        # Not for a sequence whose chunk does not reach its last known token.
-        if seq.num_computed_tokens + n != seq.num_tokens:
-            seq.draft_token_ids = []
-            return 0
-        # Recurrent layers keep candidate j's state after the chunk's token j: the chunk must be the last known
-        # token plus the drafts (a preempted sequence recomputing its history keeps drafts it was given).
-        if self.state_slots is not None and n != 1:
-            seq.draft_token_ids = []
-            return 0
-        k = min(len(seq.draft_token_ids), seq.max_tokens - seq.num_output_tokens - 1, budget - n)
-        if self.state_slots is not None and k > 0:
-            # Recurrent state rolls back through candidate slots, one per draft (the state after the chunk's
-            # token j goes to candidate j; after the last, to the sequence's own slot), leased for this step.
-            k = min(k, self.state_slots.num_free)
-            self.free_candidates(seq)
-            seq.candidate_slots = [self.state_slots.allocate() for _ in range(k)]
-        del seq.draft_token_ids[max(k, 0):]
-        return max(k, 0)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], shares: Shares | None = None,
                        fresh_only: bool = False) -> None:
