@@ -94,7 +94,7 @@ structured)  # issue 16: the constrained step phase by phase on the real server 
   # (LAMINA_GRAMMAR_FILL_THREADS=0: no overlap), so one call gives both; mask_result/fill_wait against
   # fill (the batch fill) say how much of the fill the batch build and the forward hid.
   # min1: every constrained step's fill in the background, even one row (LAMINA_GRAMMAR_FILL_MIN_ROWS=1).
-  for fill in default 0 min1; do
+  for fill in ${FILLS:-default 0 min1}; do  # FILLS=default: one variant (~90 s)
     env $([ $fill = 0 ] && echo LAMINA_GRAMMAR_FILL_THREADS=0) $([ $fill = min1 ] && echo LAMINA_GRAMMAR_FILL_MIN_ROWS=1) python3 scripts/structured_serve_cost.py --model $ck \
       --device cuda --input-len 512 --output-len 256 --tokenizer "$tok" \
       --result-file "$OUT/structured_phases_fill_$fill.json" 2>&1 | tail -8
