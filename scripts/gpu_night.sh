@@ -36,5 +36,7 @@ sel mla && stage mla ${MLA_S:-180} python3 scripts/mla_graph_check.py --json "$N
 # The offline bench's decode step (256 sequences of ~800 tokens, Qwen3-0.6B shape) op by op (issues 12, 13).
 sel prof06 && stage prof06 90 python3 scripts/profile_decode.py --model random:qwen3-0.6b --batch 256 --input-len 800 \
   --steps 16 --kv-cache-memory-gb 40 --json "$N/prof06/profile_qwen3_06b_b256.json"
+# Issue 14's real-weight rows: SmolLM2 with ngram / self_spec on the GPU (needs $LAMINA_SMOLLM2_GGUF).
+sel smolspec && stage smolspec ${SS_S:-420} bash scripts/gpu_smol_spec.sh
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"
