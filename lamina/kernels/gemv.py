@@ -7,6 +7,7 @@ same shape, which run one after another on one stream). F.linear is the referenc
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -31,23 +32,27 @@ class GemvDispatcher:
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sms: dict[int, int] = {}
 
-    def accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether the GEMV handles this call (else the caller uses F.linear)."""
-        if not (self.enabled and use_triton(x)) or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+    def accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: bool = False) -> bool:
+        """Whether the GEMV handles this call (else the caller uses F.linear). act: x is gate|up, [.., 2K],
+        for an activation prologue."""
+        if not (self.enabled and use_triton(x)) or weight.dim() != 2 or x.shape[-1] != weight.shape[1] * (1 + act):
             return False
         m = x.numel() // max(x.shape[-1], 1)
         return (1 <= m <= MAX_M and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0
                 and (bias is None or (bias.dim() == 1 and bias.is_contiguous())))
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 prologue=None) -> torch.Tensor:
+        """y = pro(x) W^T + b; prologue: a triton_gemv.Prologue (its residual and sum_out shaped like x) or None.
+        The config is the one timed without a prologue (the prologue adds no weight bytes)."""
         from lamina.kernels import triton_gemv as tg
 
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        m, k = x2.shape
-        n = weight.shape[0]
+        m = x2.shape[0]
+        n, k = weight.shape
         dev = x.device.index if x.device.index is not None else (torch.cuda.current_device() if x.is_cuda else -1)
         sms = self._sms.get(dev) or self._sms.setdefault(dev, tg._num_sms(x.device))
         key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev)
@@ -57,7 +62,10 @@ class GemvDispatcher:
                 cfg = tg.heuristic_config(m, n, k, sms, allow_split=False)  # nothing to time or allocate here
             else:
                 cfg = self._choose(key, x2, weight, bias, sms)
-        y = tg.gemv(x2, weight, bias, cfg, self._workspace(key, cfg, x.device))
+        if prologue is not None and prologue.residual is not None:
+            prologue = dataclasses.replace(prologue, residual=prologue.residual.reshape(m, -1),
+                                           sum_out=prologue.sum_out.view(m, -1))
+        y = tg.gemv(x2, weight, bias, cfg, self._workspace(key, cfg, x.device), prologue=prologue)
         return y.view(*x.shape[:-1], n)
 
     def _workspace(self, key: tuple, cfg, device: torch.device):
@@ -80,7 +88,7 @@ class GemvDispatcher:
         from lamina.kernels import triton_gemv as tg
 
         m = key[0]
-        xb = torch.randn(m, x.shape[1], dtype=x.dtype, device=x.device)
+        xb = torch.randn(m, key[2], dtype=x.dtype, device=x.device)
         ref = F.linear(xb, weight, bias).float()
         flush = torch.ones(2 * _l2_bytes(x.device) // 4, dtype=torch.float32, device=x.device)
         results: list[tuple[float, object]] = []
