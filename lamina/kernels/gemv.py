@@ -45,7 +45,9 @@ class GemvDispatcher:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  prologue=None) -> torch.Tensor:
         """y = pro(x) W^T + b; prologue: a triton_gemv.Prologue (its residual and sum_out shaped like x) or None.
-        The config is the one timed without a prologue (the prologue adds no weight bytes)."""
+        Each prologue kind is timed as a shape of its own: its extra fp32 tile math raises the dot configs'
+        registers (ptxas, sm_90, bf16, m16 n32 k256: 64 plain, 148 with add + norm, 154 with SiLU; k512 spills
+        with either), so the plain winner need not be the prologue's."""
         from lamina.kernels import triton_gemv as tg
 
         x2 = x.reshape(-1, x.shape[-1])
@@ -55,13 +57,13 @@ class GemvDispatcher:
         n, k = weight.shape
         dev = x.device.index if x.device.index is not None else (torch.cuda.current_device() if x.is_cuda else -1)
         sms = self._sms.get(dev) or self._sms.setdefault(dev, tg._num_sms(x.device))
-        key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev)
+        key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev) + ((prologue.kind,) if prologue else ())
         cfg = self.configs.get(key)
         if cfg is None:
             if not self.tune or torch.cuda.is_current_stream_capturing():
                 cfg = tg.heuristic_config(m, n, k, sms, allow_split=False)  # nothing to time or allocate here
             else:
-                cfg = self._choose(key, x2, weight, bias, sms)
+                cfg = self._choose(key, x2, weight, bias, sms, prologue)
         if prologue is not None and prologue.residual is not None:
             prologue = dataclasses.replace(prologue, residual=prologue.residual.reshape(m, -1),
                                            sum_out=prologue.sum_out.view(m, -1))
@@ -80,7 +82,7 @@ class GemvDispatcher:
         return ws
 
     def _choose(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                sms: int):
+                sms: int, prologue=None):
         """Times every candidate on this shape (M rounded up to the bucket) and keeps the fastest that
         matches F.linear. Timing: a CUDA-graph replay of a few calls, each after an L2 flush, minus the
         flushes alone. The flush reads (sums) a buffer of twice the L2 size: a write flush would leave dirty
@@ -88,17 +90,18 @@ class GemvDispatcher:
         from lamina.kernels import triton_gemv as tg
 
         m = key[0]
-        xb = torch.randn(m, key[2], dtype=x.dtype, device=x.device)
-        ref = F.linear(xb, weight, bias).float()
+        xb, pro, ref_in = _sample_input(m, key[2], x, prologue)
+        ref = F.linear(ref_in, weight, bias).float()
         flush = torch.ones(2 * _l2_bytes(x.device) // 4, dtype=torch.float32, device=x.device)
         results: list[tuple[float, object]] = []
         for cfg in tg.candidate_configs(m, key[1], key[2], sms):
             ws = self._workspace(key, cfg, x.device)
             try:
-                y = tg.gemv(xb, weight, bias, cfg, ws)
+                y = tg.gemv(xb, weight, bias, cfg, ws, prologue=pro)
                 err = ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                 if err < 2e-2:
-                    t = _graph_time_us(lambda cfg=cfg, ws=ws, y=y: tg.gemv(xb, weight, bias, cfg, ws, out=y), flush)
+                    t = _graph_time_us(lambda cfg=cfg, ws=ws, y=y: tg.gemv(xb, weight, bias, cfg, ws, out=y,
+                                                                          prologue=pro), flush)
                     results.append((t, cfg))
                 else:
                     self.rejected.setdefault(key, []).append(f"{cfg.label()}: error {err:.1e}")
@@ -110,6 +113,26 @@ class GemvDispatcher:
         self.timings[key] = [(c.label(), t) for t, c in results]
         self.configs[key] = results[0][1]
         return results[0][1]
+
+
+def _sample_input(m: int, k: int, x: torch.Tensor, prologue):
+    """(x, prologue, reference input of F.linear) to time and check a config with: random rows, and for a
+    prologue the call's own norm weight, a random residual and a fresh sum buffer."""
+    from lamina.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+    from lamina.kernels.norm import rms_norm_ref
+
+    kind = prologue.kind if prologue is not None else None
+    xb = torch.randn(m, 2 * k if kind in ("silu", "gelu_tanh") else k, dtype=x.dtype, device=x.device)
+    if kind is None:
+        return xb, None, xb
+    if kind in ("silu", "gelu_tanh"):
+        return xb, prologue, (silu_and_mul_ref if kind == "silu" else gelu_tanh_and_mul_ref)(xb)
+    pro = dataclasses.replace(prologue, residual=None, sum_out=None)
+    if kind == "add_norm":
+        res = torch.randn_like(xb)
+        pro = dataclasses.replace(pro, residual=res, sum_out=torch.empty_like(xb))
+        return xb, pro, rms_norm_ref(xb + res, pro.weight, pro.eps, pro.offset)
+    return xb, pro, rms_norm_ref(xb, pro.weight, pro.eps, pro.offset)
 
 
 def _l2_bytes(device: torch.device) -> int:

@@ -98,3 +98,32 @@ def test_prologue_is_not_a_no_op():
     assert torch.allclose(two, 2 * one, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(one).all() and bool((one[1] == 0).all())
     assert rel_err(one[:1], F.linear(rms_norm_ref(x[:1], torch.ones(128, device=DEV), 1e-6), w)) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the timed config choice needs CUDA")
+@pytest.mark.parametrize("kind", ["add_norm", "silu"])
+def test_dispatcher_times_each_prologue_and_matches(kind):
+    """A prologue is tuned as a shape of its own (its winner may differ: the tile math costs registers), the
+    pick passes the reference, and the call inside a CUDA graph replays it."""
+    from lamina.kernels.gemv import GemvDispatcher
+    from lamina.kernels.triton_gemv import Prologue
+
+    d = GemvDispatcher(enabled=True)
+    w = (torch.randn(4096, 4096, device="cuda") / 64).bfloat16()
+    nw = (1 + 0.1 * torch.randn(4096, device="cuda")).bfloat16()
+    for m in (1, 4):
+        width = 8192 if kind == "silu" else 4096
+        x = torch.randn(m, width, device="cuda").bfloat16()
+        r = torch.randn(m, 4096, device="cuda").bfloat16()
+        sums = torch.empty_like(r)
+        pro = Prologue(kind) if kind == "silu" else Prologue(kind, nw, 1e-6, 0.0, r, sums)
+        ref_in = silu_and_mul_ref(x.float()) if kind == "silu" else rms_norm_ref((x + r).float(), nw.float(), 1e-6)
+        y = d(x, w, None, pro)
+        assert rel_err(y, F.linear(ref_in, w.float())) < TOL[torch.bfloat16]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = d(x, w, None, pro)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, y)
+    assert sum(1 for key in d.configs if key[-1] == kind) == 2 and all(d.timings.values())
