@@ -18,6 +18,9 @@ from lamina.kernels.dispatch import use_triton
 
 MAX_M = 16
 ENV_SWITCH = "LAMINA_TRITON_GEMV"
+# A prologue shape times the plain shape's fastest 4 configs, not all ~16: each (tile, prologue kind, M
+# bucket) is a Triton compile of ~1-2 s, and 3 kinds x 4 buckets x 16 tiles would add minutes to start-up.
+PROLOGUE_CANDIDATES = 4
 
 
 class GemvDispatcher:
@@ -29,6 +32,7 @@ class GemvDispatcher:
         self.configs: dict[tuple, object] = {}  # shape key -> GemvConfig (timed winner)
         self.timings: dict[tuple, list[tuple[str, float]]] = {}  # shape key -> [(config label, us)] (reports)
         self.rejected: dict[tuple, list[str]] = {}  # shape key -> configs that failed the check or to compile
+        self._ranked: dict[tuple, list] = {}  # shape key -> its passing configs, fastest first
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sms: dict[int, int] = {}
 
@@ -94,7 +98,13 @@ class GemvDispatcher:
         ref = F.linear(ref_in, weight, bias).float()
         flush = torch.ones(2 * _l2_bytes(x.device) // 4, dtype=torch.float32, device=x.device)
         results: list[tuple[float, object]] = []
-        for cfg in tg.candidate_configs(m, key[1], key[2], sms):
+        cands = tg.candidate_configs(m, key[1], key[2], sms)
+        if prologue is not None:  # the plain shape's fastest few only: each prologue kind is a compile per tile
+            plain = key[:-1]
+            if plain not in self._ranked:
+                self._choose(plain, x, weight, bias, sms)
+            cands = self._ranked.get(plain, cands)[:PROLOGUE_CANDIDATES]
+        for cfg in cands:
             ws = self._workspace(key, cfg, x.device)
             try:
                 y = tg.gemv(xb, weight, bias, cfg, ws, prologue=pro)
@@ -110,6 +120,7 @@ class GemvDispatcher:
         if not results:
             return tg.heuristic_config(m, key[1], key[2], sms, allow_split=False)
         results.sort(key=lambda r: r[0])
+        self._ranked[key] = [c for _, c in results]
         self.timings[key] = [(c.label(), t) for t, c in results]
         self.configs[key] = results[0][1]
         return results[0][1]
