@@ -25,14 +25,14 @@ def _dtypes(cfg):
     return [torch.float16, torch.float32] if cfg.dot and INTERPRET else [torch.bfloat16, torch.float16]
 
 
-def _run(x, w, cfg, prologue, m, n):
+def _run(x, w, cfg, prologue, m, n, bias=None):
     from lamina.kernels.triton_gemv import gemv, new_workspace
 
     ws = new_workspace(m, n, cfg, DEV) if cfg.split_k > 1 else None
     outs = []
     for _ in range(2):  # the second launch relies on the first having reset the split-K counters
         out = torch.full((m, n), float("nan"), dtype=x.dtype, device=DEV)
-        outs.append(gemv(x, w, None, cfg, ws, out=out, prologue=prologue))
+        outs.append(gemv(x, w, bias, cfg, ws, out=out, prologue=prologue))
     if ws is not None:
         assert int(ws[1].abs().sum()) == 0, "split-K counters not reset"
     return outs
@@ -57,8 +57,9 @@ def test_norm_prologue_matches_norm_then_linear(m, k, kind):
                 pro = Prologue(kind, nw.to(DEV), eps, off, r.to(DEV), sums)
             else:
                 normed, summed, pro = rms_norm_ref(x, nw, eps, off), None, Prologue(kind, nw.to(DEV), eps, off)
-            ref = F.linear(normed.double(), w.double())
-            for out in _run(x.to(DEV), w.to(DEV), cfg, pro, m, n):
+            b = torch.randn(n, generator=gen).to(dtype) if m == 5 else None  # Qwen2's qkv bias: after 1/rms
+            ref = F.linear(normed.double(), w.double(), b.double() if b is not None else None)
+            for out in _run(x.to(DEV), w.to(DEV), cfg, pro, m, n, b.to(DEV) if b is not None else None):
                 assert rel_err(out, ref) < TOL[dtype], (cfg, dtype, rel_err(out, ref))
             if summed is not None:
                 if dtype == torch.bfloat16 and INTERPRET:
