@@ -289,7 +289,8 @@ def kernel_profile(llm: LLM, prompts, top: int) -> None:
         print(f"{e.self_device_time_total / 1e3:9.3f} ms {e.count:6d}x  {e.key[:110]}")
 
 
-SWITCHES = {"gemv": ("LAMINA_TRITON_GEMV", "0"), "fusions": ("LAMINA_FUSED_MOE_DECODE", "LAMINA_FUSED_GDN_OUT")}
+SWITCHES = {"gemv": ("LAMINA_TRITON_GEMV", "0"),
+            "fusions": ("LAMINA_FUSED_MOE_DECODE", "LAMINA_FUSED_GDN_OUT", "LAMINA_FUSED_DENSE_DECODE")}
 
 
 def set_variant(gemv: bool, fusions: bool) -> None:
@@ -343,7 +344,8 @@ def main() -> None:
     ap.add_argument("--gemv", choices=("off", "on", "both"), default="off",
                     help="the Triton decode GEMV in every dense Linear (LAMINA_TRITON_GEMV)")
     ap.add_argument("--fusions", choices=("off", "on", "both"), default="on",
-                    help="the MoE decode path and the gated-norm out_proj GEMV (LAMINA_FUSED_*)")
+                    help="the MoE decode path, the gated-norm out_proj GEMV and the dense layers' norm/SiLU GEMV "
+                         "prologues (LAMINA_FUSED_*; the prologues need --gemv on)")
     ap.add_argument("--json", default=None, help="write every variant's table here (default $OUT/profile_*.json)")
     args = ap.parse_args()
 

@@ -45,17 +45,21 @@ def compile_report(fn, sig: dict, consts: dict, aligned: tuple, warps: int, stag
 
 def main() -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_ym": "i32", "k_per_split": "i32", "BLOCK_M": C, "BLOCK_N": C, "BLOCK_K": C, "SPLIT_K": C,
-           "USE_DOT": C, "HAS_BIAS": C, "EVEN_K": C, "DOT_PREC": C, "PDL": C, "PREFETCH_K": C, "LINE": C}
-    for pdl in (False, True):
-        for bm, bn, bk, sk, dot, w, st in [(16, 32, 256, 1, True, 4, 4), (16, 32, 256, 2, True, 4, 4),
-                                           (1, 4, 1024, 1, False, 4, 3), (16, 64, 256, 1, True, 8, 3),
-                                           (16, 32, 512, 1, True, 4, 3)]:
+           "cnt_ptr": "*i32", "r_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16", "eps": "fp32", "nw_off": "fp32",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_rm": "i32", "stride_sm": "i32",
+           "stride_wn": "i32", "stride_ym": "i32", "k_per_split": "i32", "BLOCK_M": C, "BLOCK_N": C, "BLOCK_K": C,
+           "SPLIT_K": C, "USE_DOT": C, "HAS_BIAS": C, "EVEN_K": C, "DOT_PREC": C, "PDL": C, "PREFETCH_K": C,
+           "LINE": C, "PRO": C}
+    aligned = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 14, 15, 16, 17, 18, 19)  # pointers and 16-divisible ints
+    tiles = [(16, 32, 256, 1, True, 4, 4), (16, 32, 256, 2, True, 4, 4), (1, 4, 1024, 1, False, 4, 3),
+             (16, 64, 256, 1, True, 8, 3), (16, 32, 512, 1, True, 4, 3)]
+    # PRO: 0 plain, 2 add + RMSNorm, 3 SiLU-and-mul (the prologues of dense_decode_path); PDL only plain
+    for pdl, pro in ((False, 0), (True, 0), (False, 2), (False, 3)):
+        for bm, bn, bk, sk, dot, w, st in tiles:
             consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, USE_DOT=dot, HAS_BIAS=False, EVEN_K=True,
-                          DOT_PREC="tf32", PDL=pdl, PREFETCH_K=1024 if pdl else 0, LINE=64)
-            compile_report(g._gemv_kernel, sig, consts, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12), w, st,
-                           f"gemv pdl={pdl} m{bm} n{bn} k{bk} s{sk} {'dot' if dot else 'fma'} w{w} st{st}")
+                          DOT_PREC="tf32", PDL=pdl, PREFETCH_K=1024 if pdl else 0, LINE=64, PRO=pro)
+            compile_report(g._gemv_kernel, sig, consts, aligned, w, st,
+                           f"gemv pdl={pdl} pro={pro} m{bm} n{bn} k{bk} s{sk} {'dot' if dot else 'fma'} w{w} st{st}")
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "logit_ptr": "*fp32", "cnt_ptr": "*i32",
            "wout_ptr": "*bf16", "iout_ptr": "*i64", "T": "i32", "E": "i32", "H": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "TOP_K": C, "SHARED": C, "BLOCK_T": C, "BLOCK_E": C, "BLOCK_K": C, "BLOCK_ALL": C,

@@ -7,6 +7,7 @@ same shape, which run one after another on one stream). F.linear is the referenc
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -17,6 +18,9 @@ from lamina.kernels.dispatch import use_triton
 
 MAX_M = 16
 ENV_SWITCH = "LAMINA_TRITON_GEMV"
+# A prologue shape times the plain shape's fastest 4 configs, not all ~16: each (tile, prologue kind, M
+# bucket) is a Triton compile of ~1-2 s, and 3 kinds x 4 buckets x 16 tiles would add minutes to start-up.
+PROLOGUE_CANDIDATES = 4
 
 
 class GemvDispatcher:
@@ -28,36 +32,46 @@ class GemvDispatcher:
         self.configs: dict[tuple, object] = {}  # shape key -> GemvConfig (timed winner)
         self.timings: dict[tuple, list[tuple[str, float]]] = {}  # shape key -> [(config label, us)] (reports)
         self.rejected: dict[tuple, list[str]] = {}  # shape key -> configs that failed the check or to compile
+        self._ranked: dict[tuple, list] = {}  # shape key -> its passing configs, fastest first
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sms: dict[int, int] = {}
 
-    def accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether the GEMV handles this call (else the caller uses F.linear)."""
-        if not (self.enabled and use_triton(x)) or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+    def accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: bool = False) -> bool:
+        """Whether the GEMV handles this call (else the caller uses F.linear). act: x is gate|up, [.., 2K],
+        for an activation prologue."""
+        if not (self.enabled and use_triton(x)) or weight.dim() != 2 or x.shape[-1] != weight.shape[1] * (1 + act):
             return False
         m = x.numel() // max(x.shape[-1], 1)
         return (1 <= m <= MAX_M and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0
                 and (bias is None or (bias.dim() == 1 and bias.is_contiguous())))
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 prologue=None) -> torch.Tensor:
+        """y = pro(x) W^T + b; prologue: a triton_gemv.Prologue (its residual and sum_out shaped like x) or None.
+        Each prologue kind is timed as a shape of its own: its extra fp32 tile math raises the dot configs'
+        registers (ptxas, sm_90, bf16, m16 n32 k256: 64 plain, 148 with add + norm, 154 with SiLU; k512 spills
+        with either), so the plain winner need not be the prologue's."""
         from lamina.kernels import triton_gemv as tg
 
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        m, k = x2.shape
-        n = weight.shape[0]
+        m = x2.shape[0]
+        n, k = weight.shape
         dev = x.device.index if x.device.index is not None else (torch.cuda.current_device() if x.is_cuda else -1)
         sms = self._sms.get(dev) or self._sms.setdefault(dev, tg._num_sms(x.device))
-        key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev)
+        key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev) + ((prologue.kind,) if prologue else ())
         cfg = self.configs.get(key)
         if cfg is None:
             if not self.tune or torch.cuda.is_current_stream_capturing():
                 cfg = tg.heuristic_config(m, n, k, sms, allow_split=False)  # nothing to time or allocate here
             else:
-                cfg = self._choose(key, x2, weight, bias, sms)
-        y = tg.gemv(x2, weight, bias, cfg, self._workspace(key, cfg, x.device))
+                cfg = self._choose(key, x2, weight, bias, sms, prologue)
+        if prologue is not None and prologue.residual is not None:
+            prologue = dataclasses.replace(prologue, residual=prologue.residual.reshape(m, -1),
+                                           sum_out=prologue.sum_out.view(m, -1))
+        y = tg.gemv(x2, weight, bias, cfg, self._workspace(key, cfg, x.device), prologue=prologue)
         return y.view(*x.shape[:-1], n)
 
     def _workspace(self, key: tuple, cfg, device: torch.device):
@@ -72,7 +86,7 @@ class GemvDispatcher:
         return ws
 
     def _choose(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                sms: int):
+                sms: int, prologue=None):
         """Times every candidate on this shape (M rounded up to the bucket) and keeps the fastest that
         matches F.linear. Timing: a CUDA-graph replay of a few calls, each after an L2 flush, minus the
         flushes alone. The flush reads (sums) a buffer of twice the L2 size: a write flush would leave dirty
@@ -80,17 +94,24 @@ class GemvDispatcher:
         from lamina.kernels import triton_gemv as tg
 
         m = key[0]
-        xb = torch.randn(m, x.shape[1], dtype=x.dtype, device=x.device)
-        ref = F.linear(xb, weight, bias).float()
+        xb, pro, ref_in = _sample_input(m, key[2], x, prologue)
+        ref = F.linear(ref_in, weight, bias).float()
         flush = torch.ones(2 * _l2_bytes(x.device) // 4, dtype=torch.float32, device=x.device)
         results: list[tuple[float, object]] = []
-        for cfg in tg.candidate_configs(m, key[1], key[2], sms):
+        cands = tg.candidate_configs(m, key[1], key[2], sms)
+        if prologue is not None:  # the plain shape's fastest few only: each prologue kind is a compile per tile
+            plain = key[:-1]
+            if plain not in self._ranked:
+                self._choose(plain, x, weight, bias, sms)
+            cands = self._ranked.get(plain, cands)[:PROLOGUE_CANDIDATES]
+        for cfg in cands:
             ws = self._workspace(key, cfg, x.device)
             try:
-                y = tg.gemv(xb, weight, bias, cfg, ws)
+                y = tg.gemv(xb, weight, bias, cfg, ws, prologue=pro)
                 err = ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                 if err < 2e-2:
-                    t = _graph_time_us(lambda cfg=cfg, ws=ws, y=y: tg.gemv(xb, weight, bias, cfg, ws, out=y), flush)
+                    t = _graph_time_us(lambda cfg=cfg, ws=ws, y=y: tg.gemv(xb, weight, bias, cfg, ws, out=y,
+                                                                          prologue=pro), flush)
                     results.append((t, cfg))
                 else:
                     self.rejected.setdefault(key, []).append(f"{cfg.label()}: error {err:.1e}")
@@ -99,9 +120,30 @@ class GemvDispatcher:
         if not results:
             return tg.heuristic_config(m, key[1], key[2], sms, allow_split=False)
         results.sort(key=lambda r: r[0])
+        self._ranked[key] = [c for _, c in results]
         self.timings[key] = [(c.label(), t) for t, c in results]
         self.configs[key] = results[0][1]
         return results[0][1]
+
+
+def _sample_input(m: int, k: int, x: torch.Tensor, prologue):
+    """(x, prologue, reference input of F.linear) to time and check a config with: random rows, and for a
+    prologue the call's own norm weight, a random residual and a fresh sum buffer."""
+    from lamina.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+    from lamina.kernels.norm import rms_norm_ref
+
+    kind = prologue.kind if prologue is not None else None
+    xb = torch.randn(m, 2 * k if kind in ("silu", "gelu_tanh") else k, dtype=x.dtype, device=x.device)
+    if kind is None:
+        return xb, None, xb
+    if kind in ("silu", "gelu_tanh"):
+        return xb, prologue, (silu_and_mul_ref if kind == "silu" else gelu_tanh_and_mul_ref)(xb)
+    pro = dataclasses.replace(prologue, residual=None, sum_out=None)
+    if kind == "add_norm":
+        res = torch.randn_like(xb)
+        pro = dataclasses.replace(pro, residual=res, sum_out=torch.empty_like(xb))
+        return xb, pro, rms_norm_ref(xb + res, pro.weight, pro.eps, pro.offset)
+    return xb, pro, rms_norm_ref(xb, pro.weight, pro.eps, pro.offset)
 
 
 def _l2_bytes(device: torch.device) -> int:

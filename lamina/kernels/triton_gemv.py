@@ -30,11 +30,16 @@ MAX_M = 16  # the dispatcher (gemv.py) sends at most this many rows here
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
-                 LINE: tl.constexpr = 64):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, s_ptr, nw_ptr, eps, nw_off, M, N, K,
+                 stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, k_per_split, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = False,
+                 PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64, PRO: tl.constexpr = 0):
+    # PRO (prologue on x, see Prologue): 0 none; 1 RMSNorm; 2 residual add + RMSNorm (program (0, k) writes
+    # its K share of the sum to s_ptr); 3 SiLU(gate) * up, 4 tanh-GELU(gate) * up (x: [M, 2K], gate first).
+    # The norm's 1/rms is a per-row scalar: each program sums squares over its own K share in the main loop
+    # and scales the accumulator at the end (split-K: the partial sums of squares travel with the partials),
+    # so no program reads more of x than without the prologue and no extra pass over x is needed.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -56,14 +61,34 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    writer = pid_n == 0  # the programs of the first N block write the residual sum (disjoint K shares)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # no mask along K: the loads stay 16-byte vectors
-            xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            xm = m_ok[:, None]
             wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k_ok = (k0 + offs_k) < k_end
-            xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xm = m_ok[:, None] & k_ok[None, :]
             wt = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xt = tl.load(x_ptrs, mask=xm, other=0.0)
+        if PRO == 1 or PRO == 2:
+            if PRO == 2:  # x + residual rounded to the stream dtype, as the unfused add rounds it
+                rt = tl.load(r_ptr + offs_m[:, None] * stride_rm + (k0 + offs_k)[None, :], mask=xm, other=0.0)
+                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(s_ptr + offs_m[:, None] * stride_sm + (k0 + offs_k)[None, :], xt, mask=xm & writer)
+            xf = xt.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
+            nw = tl.load(nw_ptr + k0 + offs_k, mask=(k0 + offs_k) < k_end, other=0.0).to(tl.float32) + nw_off
+            xt = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
+        elif PRO == 3 or PRO == 4:
+            gate = xt.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=xm, other=0.0).to(tl.float32)
+            if PRO == 4:  # 0.5 g (1 + tanh(u)) = g * sigmoid(2u), as triton_activation computes it
+                u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+                xt = (gate / (1.0 + tl.exp(-2.0 * u)) * up).to(x_ptr.dtype.element_ty)
+            else:
+                xt = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             acc += tl.dot(xt, tl.trans(wt), input_precision=DOT_PREC)
         else:
@@ -73,6 +98,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
+        if PRO == 1 or PRO == 2:
+            acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
@@ -80,13 +107,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_
         tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         n_blocks = tl.num_programs(0)
         tl.store(part_ptr + (pid_k * n_blocks + pid_n).to(tl.int64) * (BLOCK_M * BLOCK_N) + tile, acc)
+        ss_ptr = part_ptr + SPLIT_K * n_blocks * (BLOCK_M * BLOCK_N)  # [SPLIT_K, n_blocks, BLOCK_M] after them
+        if PRO == 1 or PRO == 2:
+            tl.store(ss_ptr + (pid_k * n_blocks + pid_n) * BLOCK_M + offs_m, sumsq)
         tl.debug_barrier()  # every thread's partial is issued before the counter is released
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last split of this N block reduces
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in range(SPLIT_K):
                 total += tl.load(part_ptr + (s * n_blocks + pid_n).to(tl.int64) * (BLOCK_M * BLOCK_N) + tile,
                                  cache_modifier=".cg")
+                if PRO == 1 or PRO == 2:
+                    total_ss += tl.load(ss_ptr + (s * n_blocks + pid_n) * BLOCK_M + offs_m, cache_modifier=".cg")
+            if PRO == 1 or PRO == 2:
+                total = total * (1.0 / tl.sqrt(total_ss / K + eps))[:, None]
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
@@ -176,8 +211,8 @@ def workspace_shape(m: int, n: int, cfg: GemvConfig) -> tuple[int, int]:
     """(fp32 partial elements, int32 counters) a split-K launch needs; (0, 0) without split."""
     if cfg.split_k == 1:
         return 0, 0
-    n_blocks = triton.cdiv(n, cfg.block_n)
-    return cfg.split_k * n_blocks * cfg.block_m(m) * cfg.block_n, n_blocks
+    n_blocks = triton.cdiv(n, cfg.block_n)  # partial tiles, then a norm prologue's partial sums of squares
+    return cfg.split_k * n_blocks * cfg.block_m(m) * (cfg.block_n + 1), n_blocks
 
 
 def new_workspace(m: int, n: int, cfg: GemvConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,15 +221,39 @@ def new_workspace(m: int, n: int, cfg: GemvConfig, device: torch.device) -> tupl
             torch.zeros(max(counters, 1), dtype=torch.int32, device=device))
 
 
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+    """What the GEMV does to x before multiplying (the small op that would otherwise be its own launch).
+
+    kind "norm": x -> rms_norm(x) * (weight + offset); "add_norm": the same on x + residual, whose sum (rounded
+    to x's dtype) is written to sum_out; "silu" / "gelu_tanh": x is [M, 2K] gate|up -> act(gate) * up,
+    rounded once as triton_activation rounds it. The norm's 1/rms scales the fp32 accumulator instead of each
+    normalized element: the inputs to the products are x * weight rounded once, where the separate norm rounds
+    x * rstd * weight once (the same size of error; results are not bitwise those of the two launches)."""
+
+    kind: str
+    weight: torch.Tensor | None = None
+    eps: float = 1e-6
+    offset: float = 0.0
+    residual: torch.Tensor | None = None
+    sum_out: torch.Tensor | None = None
+
+    @property
+    def code(self) -> int:
+        return {"norm": 1, "add_norm": 2, "silu": 3, "gelu_tanh": 4}[self.kind]
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
          workspace: tuple[torch.Tensor, torch.Tensor] | None = None, *, out: torch.Tensor | None = None,
-         num_sms: int | None = None) -> torch.Tensor:
-    """y = x @ weight.T + bias. x: [M, K] (M <= 16, unit stride on K), weight: [N, K] contiguous rows, same
-    dtype as x; bias [N] or None. Without `config` the heuristic pick is used; a split-K config needs a
-    workspace (new_workspace; counters zero, which every launch leaves them) or gets a fresh one."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert 1 <= m <= MAX_M and weight.shape[1] == k and x.dtype == weight.dtype
+         num_sms: int | None = None, prologue: Prologue | None = None) -> torch.Tensor:
+    """y = pro(x) @ weight.T + bias. x: [M, K] (M <= 16, unit stride on K; [M, 2K] for an activation
+    prologue), weight: [N, K] contiguous rows, same dtype as x; bias [N] or None. Without `config` the
+    heuristic pick is used; a split-K config needs a workspace (new_workspace; counters zero, which every
+    launch leaves them) or gets a fresh one. prologue: see Prologue (None: x as it is)."""
+    m = x.shape[0]
+    n, k = weight.shape
+    pro = prologue.code if prologue is not None else 0
+    assert 1 <= m <= MAX_M and x.shape[1] == (2 * k if pro >= 3 else k) and x.dtype == weight.dtype
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     if config is None:
         config = heuristic_config(m, n, k, num_sms or _num_sms(x.device))
@@ -203,15 +262,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if config.split_k > 1 and workspace is None:
         workspace = new_workspace(m, n, config, x.device)
     parts, counters = workspace if config.split_k > 1 else (out, out)
+    res = sums = norm_w = x
+    eps, off = 0.0, 0.0
+    if pro in (1, 2):
+        norm_w, eps, off = prologue.weight, float(prologue.eps), float(prologue.offset)
+        assert norm_w.shape == (k,) and norm_w.is_contiguous()
+    if pro == 2:
+        res, sums = prologue.residual, prologue.sum_out
+        assert res.shape == x.shape and sums.shape == x.shape and res.stride(-1) == 1 and sums.stride(-1) == 1
     bk = config.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, bk), config.split_k) * bk
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     _gemv_kernel[grid](
-        x, weight, bias if bias is not None else out, out, parts, counters, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), k_per_split, BLOCK_M=config.block_m(m), BLOCK_N=config.block_n, BLOCK_K=bk,
-        SPLIT_K=config.split_k, USE_DOT=config.dot, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.warps,
-        num_stages=config.stages, **_pdl_args(config, x.element_size()))
+        x, weight, bias if bias is not None else out, out, parts, counters, res, sums, norm_w, eps, off, m, n, k,
+        x.stride(0), res.stride(0), sums.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        BLOCK_M=config.block_m(m), BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=config.split_k, USE_DOT=config.dot,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.warps, num_stages=config.stages, PRO=pro, **_pdl_args(config, x.element_size()))
     return out
 
 

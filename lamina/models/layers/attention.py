@@ -114,8 +114,11 @@ class Attention(AttentionBase):
         self.o_proj = Linear(q, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.forward_qkv(self.qkv_proj(x), positions, ctx)
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The layer after its qkv projection (the fused decode path runs the projection with the norm)."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                              self.num_kv_heads * self.head_dim], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)

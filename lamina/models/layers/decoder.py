@@ -9,6 +9,7 @@ from torch import nn
 
 from lamina.kernels.metadata import StepContext
 from lamina.models.config import LayerSpec, ModelConfig
+from lamina.models.layers import dense_decode_path
 from lamina.models.layers.attention import Attention
 from lamina.models.layers.gated_attention import GatedAttention
 from lamina.models.layers.gated_delta_net import GatedDeltaNet
@@ -62,6 +63,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        if dense_decode_path.applies(self, x):  # CUDA decode rows: norms and SiLU inside the GEMVs
+            return dense_decode_path.forward(self, x, residual, positions, ctx)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:

@@ -58,10 +58,17 @@ class Linear(_WithFormat):
         """Reads `source`'s weights (lm_head tied to the embedding); the format decides whether it can."""
         self.format.tie(self, source)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and type(self.format) is DenseFormat and self.format.partition is None \
-                and self.gemv.accepts(x, self.weight, self.bias):  # decode rows of a dense weight on CUDA
-            return self.gemv(x, self.weight, self.bias)
+    def takes_prologue(self, x: torch.Tensor, act: bool = False) -> bool:
+        """Whether forward(x, prologue=...) runs here: the Triton decode GEMV takes this call (dense,
+        unpartitioned weight, CUDA, <= 16 rows; act: x is gate|up, twice the input width)."""
+        return self.gemv is not None and type(self.format) is DenseFormat and self.format.partition is None \
+            and self.gemv.accepts(x, self.weight, self.bias, act=act)
+
+    def forward(self, x: torch.Tensor, prologue=None) -> torch.Tensor:
+        """prologue (a triton_gemv.Prologue; only where takes_prologue said so): the norm or activation the
+        decode GEMV applies to x itself, in the same launch."""
+        if prologue is not None or self.takes_prologue(x):  # decode rows of a dense weight on CUDA
+            return self.gemv(x, self.weight, self.bias, prologue)
         return self.format.apply(self, x)
 
     def extra_repr(self) -> str:

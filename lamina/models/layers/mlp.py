@@ -19,6 +19,7 @@ class GatedMLP(nn.Module):
         if act not in _ACTS:
             raise ValueError(f"unsupported activation {act!r}")
         self.act = _ACTS[act]
+        self.act_kind = "silu" if self.act is silu_and_mul else "gelu_tanh"  # the GEMV prologue's name for it
         self.gate_up_proj = Linear(hidden, {"gate": intermediate, "up": intermediate}, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
