@@ -33,7 +33,7 @@ def _weight(n, k, block, seed):
                                    (64, 160, (16, 32), False)],
                          ids=["rows", "rows-ragged", "block32", "block16x32-ragged"])
 def test_fp8_gemv_matches_dequantized_matmul(m, shape):
-    from lamina.kernels.triton_fp8_gemv import fp8_gemv
+    from lamina.kernels.triton_fp8_gemv import GemvConfig, fp8_gemv
 
     n, k, block, has_bias = shape
     q, s, g = _weight(n, k, block, seed=m * 100 + n)
@@ -41,10 +41,21 @@ def test_fp8_gemv_matches_dequantized_matmul(m, shape):
         x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
         bias = torch.randn(n, generator=g).to(dtype).to(DEV) if has_bias else None
         ref = x.double() @ dequantize(q, s, block).double().T + (bias.double() if has_bias else 0)
-        for bn in (16, 32):
-            y = fp8_gemv(x, q, s, block, bias, block_n=bn)
+        configs = [None] + [GemvConfig("dot", bn) for bn in (16, 32)] + [GemvConfig("dot16", 16)] + [
+            GemvConfig("fma", bn, bk, 4) for bn, bk in ((8, 64), (16, 128)) if not block or bn <= block[0]]
+        for config in configs:  # the heuristic's pick, then every variant the GPU sweep times
+            y = fp8_gemv(x, q, s, block, bias, config=config)
             assert y.dtype == dtype and y.shape == (m, n)
-            assert rel_err(y, ref) < TOL[dtype], (dtype, bn)
+            assert rel_err(y, ref) < TOL[dtype], (dtype, config)
+
+
+def test_fp8_gemv_fma_refuses_tiles_across_scale_blocks():
+    """fma tiles read one scale row per program, so they must not straddle two bn-row scale blocks."""
+    from lamina.kernels.triton_fp8_gemv import GemvConfig, fp8_gemv
+
+    q, s, _ = _weight(64, 64, (16, 32), seed=2)
+    with pytest.raises(ValueError, match="must divide"):
+        fp8_gemv(torch.randn(1, 64, device=DEV), q, s, (16, 32), config=GemvConfig("fma", 32, 64))
 
 
 def test_fp8_block_gemm_refuses_narrow_k_blocks():
