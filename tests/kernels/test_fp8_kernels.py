@@ -152,3 +152,44 @@ def test_scaled_mm_rows_path(m, static):
     ref = (xq.double() * xs.double()) @ dequantize(q, s, None).double().T + bias.double()
     y = _scaled_mm_rows(x, q, s, bias, static_scale)
     assert y.shape == (m, 48) and y.dtype == torch.bfloat16 and rel_err(y, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("group, static", [(None, False), (None, True), (32, False), (128, False)],
+                         ids=["token", "static", "group32", "group128"])
+@pytest.mark.parametrize("m, k", [(5, 200), (16, 4096 + 64)])
+def test_triton_activation_quant_matches_the_torch_reference(group, static, m, k):
+    """The fused quantization kernel vs kernels.fp8.quantize_tokens: same scales, same FP8 codes (the
+    interpreter's fp8 cast is patched to round like the GPU), zero padding rows, either scale layout."""
+    from lamina.kernels.triton_fp8_quant import quantize_tokens_triton
+
+    g = torch.Generator().manual_seed(m + k + (group or 0))
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 50).to(torch.bfloat16)
+    x[1, : k // 2] = 0  # a zero group (and for per-token, a row whose amax sits in its second half)
+    if m > 3:
+        x[3] = 0  # an all-zero token: the tiny scale, not NaN
+    x = x.to(DEV)
+    static_scale = torch.tensor([0.03], device=DEV) if static else None
+    qr, sr = quantize_tokens(x, group=group, static_scale=static_scale)
+    for major in (False, True):
+        q, s = quantize_tokens_triton(x, group, static_scale, pad_m=16, scales_m_major=major)
+        assert q.shape == (-(-m // 16) * 16, k) and s.shape[0] == q.shape[0] and q.dtype == FP8
+        assert s.stride(0) == (1 if major else s.shape[1])
+        assert torch.equal(s[:m].cpu(), sr.cpu())
+        assert torch.equal(q[:m].view(torch.uint8).cpu(), qr.view(torch.uint8).cpu())
+        assert not q[m:].float().abs().any()
+
+
+@pytest.mark.parametrize("block", [(32, 32), (16, 128)], ids=["block32", "block16x128"])
+def test_block_scaled_mm_triton_path(block):
+    """kernels.fp8.block_scaled_mm (fused quantization + Triton GEMM) vs the matmul of the reference's FP8
+    activations and the dequantized weight, with bias."""
+    from lamina.kernels.fp8 import block_scaled_mm
+
+    m, n, k = 37, 64, 256
+    q, s, g = _weight(n, k, block, seed=7)
+    x = torch.randn(m, k, generator=g).to(torch.float16).to(DEV)
+    bias = torch.randn(n, generator=g).to(torch.float16).to(DEV)
+    xq, xs = quantize_tokens(x, group=block[1])
+    ref = (xq.double() * expand_block_scale(xs, (m, k), (1, block[1])).double()) @ dequantize(q, s, block).double().T
+    y = block_scaled_mm(x, q, s, block, bias)
+    assert y.shape == (m, n) and y.dtype == torch.float16 and rel_err(y, ref + bias.double()) < TOL[torch.float16]
