@@ -133,7 +133,8 @@ def test_gpu_bench_script_checks_pass_under_the_interpreter():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "fp8_gpu_bench.py"
-    done = subprocess.run([sys.executable, str(script), "--interpret"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--interpret", "--sweep"], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 
 
