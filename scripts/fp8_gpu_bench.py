@@ -69,6 +69,8 @@ GEMV_SWEEP = [GemvConfig("dot", 16), GemvConfig("dot", 32), GemvConfig("dot", 64
               GemvConfig("fma", 8, 512, 4), GemvConfig("fma", 16, 512, 4), GemvConfig("fma", 16, 512, 8),
               GemvConfig("fma", 8, 1024, 4), GemvConfig("fma", 16, 1024, 8), GemvConfig("fma", 4, 1024, 4),
               GemvConfig("fma", 32, 256, 8)]
+GEMV_SWEEP_M4 = [GemvConfig("dot", 16), GemvConfig("dot16", 16), GemvConfig("fma", 8, 256, 4),
+                 GemvConfig("fma", 16, 128, 4), GemvConfig("fma", 16, 256, 8)]
 LAYERS = 36  # Qwen3-8B: the decode-step estimate is 36 x the four projections' M = 1 times
 # Qwen3-8B projections (N, K): fused q|k|v, o, fused gate|up, down.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -131,7 +133,8 @@ def gemv_cases() -> None:
         schemes = {"rows": (None, *quantize_rows(w)), "block128": ((128, 128), *quantize_blocks(w, (128, 128)))}
         wb = w.to(torch.bfloat16)
         copies = max(1, -(-256 * 2**20 // (n * k * 2))) if BENCH else 1  # > 2x the L2 in bf16 weights
-        for m in ((1, 16) if OPTS.quick else (1, 2, 4, 8, 16)) if BENCH else (1, 3):
+        quick_ms = (1, 4, 16) if OPTS.sweep else (1, 16)
+        for m in (quick_ms if OPTS.quick else (1, 2, 4, 8, 16)) if BENCH else (1, 3):
             x = torch.randn(m, k, device=DEV).to(torch.bfloat16 if BENCH else torch.float16)
             row = {"shape": name, "n": n, "k": k, "m": m}
             if BENCH:
@@ -141,7 +144,7 @@ def gemv_cases() -> None:
                 ref = x.double() @ dequantize(q, s, block).double().T
                 check(f"gemv {name} m{m} {sname}", rel_err(fp8_gemv(x, q, s, block), ref), 1e-2)
                 if not BENCH:
-                    if OPTS.sweep and m == 1:
+                    if OPTS.sweep:
                         sweep_gemv(name, x, q, s, block, ref, [(q, s)], 1)
                     continue
                 qs = [(q.clone(), s.clone()) for _ in range(copies)]
@@ -150,7 +153,7 @@ def gemv_cases() -> None:
                 times["default"] = time_us(lambda i: fp8_gemv(x, qs[i][0], qs[i][1], block), copies)
                 row[f"{sname}_us"] = times
                 row[f"{sname}_default_config"] = label(default_config(m, n, k, block, DEV))
-                if OPTS.sweep and m == 1:
+                if OPTS.sweep and m in (1, 4):
                     row[f"{sname}_sweep_us"] = sweep_gemv(name, x, q, s, block, ref, qs, copies)
                 row[f"{sname}_speedup_vs_bf16"] = row["bf16_us"] / times["default"]
                 row[f"{sname}_GBs"] = n * k / times["default"] / 1e3
@@ -166,9 +169,10 @@ def label(c: GemvConfig) -> str:
 
 
 def sweep_gemv(name, x, q, s, block, ref, qs, copies) -> dict:
-    """Every GEMV_SWEEP config: checked against the fp64 oracle, then timed with cold weights (GPU)."""
+    """Every GEMV_SWEEP config (GEMV_SWEEP_M4 above M = 1): checked against the fp64 oracle, then timed with
+    cold weights (GPU)."""
     out = {}
-    for c in GEMV_SWEEP:
+    for c in GEMV_SWEEP if x.shape[0] == 1 else GEMV_SWEEP_M4:
         if c.variant == "fma" and block is not None and c.block_n > block[0]:
             continue
         try:

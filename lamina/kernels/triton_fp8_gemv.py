@@ -129,14 +129,16 @@ def _block_n(n: int, device: torch.device) -> int:
 
 def default_config(m: int, n: int, k: int, block: tuple[int, int] | None, device: torch.device) -> GemvConfig:
     """The heuristic (a guess until the --sweep run on the H200 names the winner): "fma" for M <= 4 with
-    16-row x 512-wide tiles (8 KB of weight per program per step, 64 fp32 accumulators per thread), which for
-    the Qwen3-8B shapes gives 256-1536 programs; "dot" above that, where its tensor cores carry M rows."""
+    8192-element accumulators (64 fp32 per thread at 4 warps): 16 rows (8 where that leaves fewer than two
+    programs per SM: N = 4096 on 132 SMs) x 8192 / (rows * M) columns, so at M = 1 every program streams 8 KB
+    of weight per step over 384-1536 programs for the Qwen3-8B shapes; "dot" above M = 4, where the tensor
+    cores carry the rows and a [M, BLOCK_N, BLOCK_K] fp32 accumulator would not fit."""
     if m > 4:
         return GemvConfig("dot", _block_n(n, device))
     bn = 8 if triton.cdiv(n, 16) < 2 * _sms(device) else 16
     if block is not None:
         bn = min(bn, block[0])
-    return GemvConfig("fma", bn, 512 if m == 1 else 128, 4)
+    return GemvConfig("fma", bn, 8192 // (bn * triton.next_power_of_2(m)), 4)
 
 
 def scale_addressing(scale: torch.Tensor, block: tuple[int, int] | None, k: int) -> tuple[int, int, int, int]:
