@@ -68,9 +68,9 @@ GEMV_SWEEP = [GemvConfig("dot", 16), GemvConfig("dot", 32), GemvConfig("dot", 64
               GemvConfig("dot16", 16), GemvConfig("dot16", 32),
               GemvConfig("fma", 8, 512, 4), GemvConfig("fma", 16, 512, 4), GemvConfig("fma", 16, 512, 8),
               GemvConfig("fma", 8, 1024, 4), GemvConfig("fma", 16, 1024, 8), GemvConfig("fma", 4, 1024, 4),
-              GemvConfig("fma", 32, 256, 8)]
-GEMV_SWEEP_M4 = [GemvConfig("dot", 16), GemvConfig("dot16", 16), GemvConfig("fma", 8, 256, 4),
-                 GemvConfig("fma", 16, 128, 4), GemvConfig("fma", 16, 256, 8)]
+              GemvConfig("fma", 32, 256, 8), GemvConfig("fma", 8, 2048, 8)]
+GEMV_SWEEP_M4 = [GemvConfig("dot", 16), GemvConfig("dot", 64), GemvConfig("dot16", 16), GemvConfig("fma", 8, 256, 4),
+                 GemvConfig("fma", 16, 128, 4), GemvConfig("fma", 16, 256, 8), GemvConfig("fma", 8, 512, 8)]
 LAYERS = 36  # Qwen3-8B: the decode-step estimate is 36 x the four projections' M = 1 times
 # Qwen3-8B projections (N, K): fused q|k|v, o, fused gate|up, down.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -281,6 +281,27 @@ def check_fused_paths(name, x, q, s, qr, sr) -> None:
         except Exception as e:  # not supported by this torch/GPU, or another scale layout wanted
             RESULT.setdefault("blockwise_scaled_mm", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  torch blockwise _scaled_mm {name}: {type(e).__name__}: {str(e)[:300]}")
+        if name == next(iter(SHAPES)):
+            probe_blockwise_layouts(x, q, s, ref)
+
+
+def probe_blockwise_layouts(x, q, s, ref) -> None:
+    """Which scale layouts torch._scaled_mm's blockwise mode takes (1x128 activations: M- or K-major scales;
+    128x128 weights: the stored scales transposed as a view or copied), and whether M needs padding."""
+    out = {}
+    for pad in (16, 1):
+        for a_major in (True, False):
+            xq, xs = quantize_tokens_triton(x, group=128, pad_m=pad, scales_m_major=a_major)
+            for b_copy in (False, True):
+                sb = s.t().contiguous() if b_copy else s.t()
+                key = f"pad{pad}/a_{'m' if a_major else 'k'}_major/b_{'copy' if b_copy else 'view'}"
+                try:
+                    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16)[:x.shape[0]]
+                    out[key] = rel_err(y, ref)
+                except Exception as e:
+                    out[key] = f"{type(e).__name__}: {str(e)[:160]}"
+    RESULT["blockwise_layouts"] = out
+    print("  blockwise _scaled_mm layouts: " + json.dumps(out))
 
 
 def _rows_mm(x, q, s):

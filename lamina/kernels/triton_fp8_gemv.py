@@ -8,7 +8,7 @@ single sm90 instruction; e4m3 -> fp16 is one cvt per two values):
 - "dot": upcast the tile to x's dtype and multiply on the tensor cores (rows padded to 16), fp32 accumulator;
 - "dot16": the same with both operands in fp16 (the cheap conversion; x must fit fp16's +-65504);
 - "fma": no tensor cores: w widened to fp32 and multiplied into a [BLOCK_M, BLOCK_N, BLOCK_K] fp32
-  accumulator reduced once after the loop (wide BLOCK_K tiles: 8-16 KB per program per step). Block scales
+  accumulator reduced once after the loop (wide BLOCK_K tiles: 8-16 KB of weight per program per step). Block scales
   multiply x (one scale row per program: BLOCK_N divides bn), row scales the output.
 `fp8_gemv`'s heuristic picks a variant and tiles; the bench (scripts/fp8_gpu_bench.py --sweep) times them all.
 Activations are never rounded to FP8 (weight-only).
@@ -128,17 +128,19 @@ def _block_n(n: int, device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, k: int, block: tuple[int, int] | None, device: torch.device) -> GemvConfig:
-    """The heuristic (a guess until the --sweep run on the H200 names the winner): "fma" for M <= 4 with
-    8192-element accumulators (64 fp32 per thread at 4 warps): 16 rows (8 where that leaves fewer than two
-    programs per SM: N = 4096 on 132 SMs) x 8192 / (rows * M) columns, so at M = 1 every program streams 8 KB
-    of weight per step over 384-1536 programs for the Qwen3-8B shapes; "dot" above M = 4, where the tensor
-    cores carry the rows and a [M, BLOCK_N, BLOCK_K] fp32 accumulator would not fit."""
+    """The heuristic (a guess until the --sweep run on the H200 names the winner). The "dot" run of
+    2026-12-02 streamed in proportion to its tile: 2 KB tiles (16 x 128, qkv/o/down) 0.9-1.0 TB/s, 8 KB
+    (64 x 128, gate_up) 2.2 TB/s: with 2-3 programs per SM and no load pipelining, bytes in flight set the
+    bandwidth. So: "fma" for M <= 4 with 16384-element accumulators (64 fp32 per thread at 8 warps): 16 rows
+    (8 where that leaves fewer than two programs per SM: N = 4096 on 132 SMs) x 16384 / (rows * M) columns,
+    i.e. 16 KB of weight per program per step at M = 1; "dot" above M = 4, where the tensor cores carry the
+    rows and an [M, BLOCK_N, BLOCK_K] fp32 accumulator would not fit."""
     if m > 4:
         return GemvConfig("dot", _block_n(n, device))
     bn = 8 if triton.cdiv(n, 16) < 2 * _sms(device) else 16
     if block is not None:
         bn = min(bn, block[0])
-    return GemvConfig("fma", bn, 8192 // (bn * triton.next_power_of_2(m)), 4)
+    return GemvConfig("fma", bn, 16384 // (bn * triton.next_power_of_2(m)), 8)
 
 
 def scale_addressing(scale: torch.Tensor, block: tuple[int, int] | None, k: int) -> tuple[int, int, int, int]:
