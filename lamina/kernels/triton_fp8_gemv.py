@@ -64,9 +64,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
 
 @triton.jit
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
-                         stride_ym, group_n, group_k, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
-                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         stride_ym, group_n, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
+                         GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,7 +87,8 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, 
             w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if not ROW_SCALE:
-            x = x * tl.load(s_row + (kk // group_k) * stride_sk, mask=kk < K, other=0.0)[None, :]
+            # GROUP_K is a constexpr power of two: a shift per column, not an integer division
+            x = x * tl.load(s_row + (kk // GROUP_K) * stride_sk, mask=kk < K, other=0.0)[None, :]
         acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
     y = tl.sum(acc, axis=2)
     if ROW_SCALE:
@@ -167,14 +168,15 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     group_n, group_k, ssn, ssk = scale_addressing(scale, block, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     common = (x, weight, scale, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), ssn, ssk,
-              y.stride(0), group_n, group_k)
+              y.stride(0), group_n)
     bn = config.block_n
     if config.variant == "fma":
         if block is not None and (bn > block[0] or block[0] % bn):
             raise ValueError(f"fma tiles of {bn} rows must divide the scale block's {block[0]} rows")
         bk = config.block_k or 256
         _fp8_gemv_fma_kernel[(triton.cdiv(n, bn),)](
-            *common, HAS_BIAS=bias is not None, ROW_SCALE=block is None, EVEN_K=k % bk == 0,
+            *common, HAS_BIAS=bias is not None, ROW_SCALE=block is None, GROUP_K=1 if block is None else block[1],
+            EVEN_K=k % bk == 0,
             BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps)
         return y
     bk = config.block_k or 128
@@ -183,6 +185,6 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         if block[1] % bk:
             raise ValueError(f"block width {block[1]} must be a multiple of {bk} or a power of two below it")
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-        *common, HAS_BIAS=bias is not None, DOT_F32=_DOT_F32 or x.dtype == torch.float32,
+        *common, group_k, HAS_BIAS=bias is not None, DOT_F32=_DOT_F32 or x.dtype == torch.float32,
         F16=config.variant == "dot16", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps)
     return y
