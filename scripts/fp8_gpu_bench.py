@@ -348,6 +348,34 @@ def dump() -> None:
         Path(os.environ["OUT"], "fp8_gpu_bench.json").write_text(json.dumps(RESULT, indent=1))
 
 
+def batch_cases() -> None:
+    """Large decode batches (the 256-request offline run's steps: M = 64 and 256, weights cold): bf16
+    F.linear vs fp8_linear's M > 16 paths (row scales: fused quantization + _scaled_mm, what online FP8
+    runs; block scales: fused quantization + the Triton GEMM) and, for rows, the old torch quantization."""
+    RESULT["batch"] = []
+    est: dict = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device=DEV) * 0.02
+        copies = max(1, -(-256 * 2**20 // (n * k * 2)))
+        wbs = [w.to(torch.bfloat16) for _ in range(copies)]
+        rows = [quantize_rows(w) for _ in range(copies)]
+        blocks = [quantize_blocks(w, (128, 128)) for _ in range(copies)]
+        for m in (64, 256):
+            x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+            row = {"shape": name, "m": m, "n": n, "k": k,
+                   "bf16_us": time_us(lambda i: F.linear(x, wbs[i]), copies),
+                   "rows_fused_quant_us": time_us(lambda i: _scaled_mm_rows(x, *rows[i], None, None), copies),
+                   "rows_torch_quant_us": time_us(lambda i: _rows_mm(x, *rows[i]), copies),
+                   "block_fused_quant_us": time_us(lambda i: block_scaled_mm(x, *blocks[i], (128, 128)), copies)}
+            RESULT["batch"].append(row)
+            for key in row:
+                if key.endswith("_us"):
+                    est[f"m{m}_{key}"] = est.get(f"m{m}_{key}", 0.0) + LAYERS * row[key]
+            print(f"  batch {name} m{m}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in row.items() if k_.endswith("_us")))
+    RESULT["batch_step_estimate"] = est  # 36 x the four projections, per decode step
+    print("batch step estimate (us): " + json.dumps({k: round(v) for k, v in est.items()}))
+
+
 def main() -> int:
     torch.manual_seed(0)
     if BENCH:
@@ -360,6 +388,10 @@ def main() -> int:
     print("prefill GEMM")
     prefill_cases()
     dump()
+    if BENCH:
+        print("decode batches (M > 16)")
+        batch_cases()
+        dump()
     print("FP8 KV attention")
     kv_cases()
     dump()

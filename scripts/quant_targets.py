@@ -104,6 +104,7 @@ def fp8_summary(res) -> dict:
         out["prefill_8k_per_shape"] = prefill
     out["kv_decode_attention"] = res.get("kv")
     out["decode_step_estimate"] = res.get("decode_step_estimate")
+    out["batch_step_estimate"] = res.get("batch_step_estimate")
     out["blockwise_scaled_mm"] = res.get("blockwise_scaled_mm")
     return out
 
