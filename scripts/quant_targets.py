@@ -93,14 +93,19 @@ def fp8_summary(res) -> dict:
     out = {"peaks_tflops": res.get("peaks"), "failed_checks": res.get("failed")}
     if prefill:
         flops = sum(2 * r["m"] * r["n"] * r["k"] for r in prefill)
+        keys = ("bf16", "block_gemm", "block_with_quant", "rows_scaled_mm_with_quant", "block_fused_quant",
+                "rows_fused_quant", "block_torch_scaled_mm")  # the last three: fused quantization (fp8_linear now)
         layer = {k: flops / sum(r[f"{k}_us"] for r in prefill) / 1e6
-                 for k in ("bf16", "block_gemm", "block_with_quant", "rows_scaled_mm_with_quant")}
+                 for k in keys if all(f"{k}_us" in r for r in prefill)}
         out["prefill_8k_layer_tflops"] = layer
         peak = (res.get("peaks") or {}).get("fp8_tflops")
         if peak:
             out["prefill_8k_mfu_vs_fp8_peak"] = {k: v / peak for k, v in layer.items() if k != "bf16"}
         out["prefill_8k_per_shape"] = prefill
     out["kv_decode_attention"] = res.get("kv")
+    out["decode_step_estimate"] = res.get("decode_step_estimate")
+    out["batch_step_estimate"] = res.get("batch_step_estimate")
+    out["blockwise_scaled_mm"] = res.get("blockwise_scaled_mm")
     return out
 
 

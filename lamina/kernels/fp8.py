@@ -8,9 +8,14 @@ A weight is stored as float8_e4m3fn [N, K] with fp32 scales that multiply it bac
 activation dtype and calls F.linear: weight-only, no activation rounding. On CUDA:
 - M <= 16 rows: the Triton GEMV (triton_fp8_gemv.py) reads FP8 and accumulates fp32, activations unrounded;
 - more rows, block scales: activations quantized per token and per bk-wide group, then the Triton
-  block-scaled GEMM on FP8 tensor cores (triton_fp8_gemm.py);
-- more rows, row scales: activations quantized per token (or with a static scale), then torch._scaled_mm
-  with row-wise scales, falling back to the reference where its shape rules are not met.
+  block-scaled GEMM on FP8 tensor cores (triton_fp8_gemm.py), or (BLOCK_GEMM = "scaled_mm", 128x128 blocks
+  only) torch._scaled_mm's blockwise (1x128 activations, 128x128 weights) scaling;
+- more rows, row scales (also what --quantization fp8, online, stores): activations quantized per token (or
+  with a static scale), then torch._scaled_mm with row-wise scales, falling back to the reference where its
+  shape rules are not met.
+The CUDA paths quantize activations with one Triton kernel (triton_fp8_quant.py); quantize_tokens below is
+its reference. H200, 8k tokens, one Qwen3-8B layer's four GEMMs (2026-12-02): block GEMM 506 TFLOP/s alone
+and 330 with the torch quantization; rows _scaled_mm 671 with it (bf16 799).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from lamina.kernels.dispatch import use_triton
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MAX_GEMV_M = 16
+BLOCK_GEMM = "triton"  # or "scaled_mm": which 128x128 block-scaled prefill GEMM runs (scripts/fp8_gpu_bench.py)
 _TINY = 1e-12  # an all-zero row or block gets this scale instead of 0 (0/0 would be NaN)
 
 
@@ -103,10 +109,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     elif block is not None and block[1] < 32:  # FP8 dots need K tiles >= 32 (real checkpoints use 128)
         return fp8_linear_ref(x, weight, scale, block, bias)
     elif block is not None:
-        from lamina.kernels.triton_fp8_gemm import fp8_block_gemm
-
-        xq, xs = quantize_tokens(x2, group=block[1])
-        y = fp8_block_gemm(xq, xs, weight, scale, block, x.dtype, bias)
+        y = block_scaled_mm(x2, weight, scale, block, bias, BLOCK_GEMM)
     else:
         y = _scaled_mm_rows(x2, weight, scale, bias, input_scale)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -120,11 +123,37 @@ def _scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     if k % 16 or n % 16 or x.dtype != torch.bfloat16:
         return fp8_linear_ref(x, weight, scale, None, bias)
     m = x.shape[0]
-    xq, xs = quantize_tokens(x, static_scale=input_scale)
-    if m % 16:
-        xq, xs = F.pad(xq.view(torch.uint8), (0, 0, 0, -m % 16)).view(FP8), F.pad(xs, (0, 0, 0, -m % 16), value=1.0)
+    if use_triton(x):
+        from lamina.kernels.triton_fp8_quant import quantize_tokens_triton
+
+        # M padded to 16 inside the quantization kernel (zero rows), not by two extra F.pad copies
+        xq, xs = quantize_tokens_triton(x.contiguous(), static_scale=input_scale, pad_m=16)
+    else:
+        xq, xs = quantize_tokens(x, static_scale=input_scale)
+        if m % 16:
+            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, -m % 16)).view(FP8)
+            xs = F.pad(xs, (0, 0, 0, -m % 16), value=1.0)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.float().view(1, n), out_dtype=x.dtype)[:m]
     return y if bias is None else y + bias
+
+
+def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                    bias: torch.Tensor | None = None, gemm: str = "triton") -> torch.Tensor:
+    """x [M, K] (CUDA, bf16/fp16) @ the block-scaled weight: activations quantized per token and bk-wide
+    group by the Triton kernel, then gemm "triton" (triton_fp8_gemm) or "scaled_mm" (torch._scaled_mm
+    blockwise: 128x128 weight blocks, bf16 out, K and N multiples of 16; else the Triton GEMM)."""
+    from lamina.kernels.triton_fp8_quant import quantize_tokens_triton
+
+    n, k = weight.shape
+    if gemm == "scaled_mm" and block == (128, 128) and x.dtype == torch.bfloat16 and not k % 16 and not n % 16:
+        xq, xs = quantize_tokens_triton(x.contiguous(), group=128, pad_m=16, scales_m_major=True)
+        # scale_b [ceil(K/128), ceil(N/128)] for b = weight^T: the stored [nb, kb] scales transposed (a view)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), out_dtype=x.dtype)[:x.shape[0]]
+        return y if bias is None else y + bias
+    from lamina.kernels.triton_fp8_gemm import fp8_block_gemm
+
+    xq, xs = quantize_tokens_triton(x.contiguous(), group=block[1])
+    return fp8_block_gemm(xq, xs, weight, scale, block, x.dtype, bias)
 
 
 MOE_GEMV_PAIRS = 64  # at most this many (token, slot) pairs: the FP8 per-pair GEMVs (as triton_moe's dense ones)

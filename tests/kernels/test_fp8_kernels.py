@@ -33,7 +33,7 @@ def _weight(n, k, block, seed):
                                    (64, 160, (16, 32), False)],
                          ids=["rows", "rows-ragged", "block32", "block16x32-ragged"])
 def test_fp8_gemv_matches_dequantized_matmul(m, shape):
-    from lamina.kernels.triton_fp8_gemv import fp8_gemv
+    from lamina.kernels.triton_fp8_gemv import GemvConfig, fp8_gemv
 
     n, k, block, has_bias = shape
     q, s, g = _weight(n, k, block, seed=m * 100 + n)
@@ -41,10 +41,21 @@ def test_fp8_gemv_matches_dequantized_matmul(m, shape):
         x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
         bias = torch.randn(n, generator=g).to(dtype).to(DEV) if has_bias else None
         ref = x.double() @ dequantize(q, s, block).double().T + (bias.double() if has_bias else 0)
-        for bn in (16, 32):
-            y = fp8_gemv(x, q, s, block, bias, block_n=bn)
+        configs = [None] + [GemvConfig("dot", bn) for bn in (16, 32)] + [GemvConfig("dot16", 16)] + [
+            GemvConfig("fma", bn, bk, 4) for bn, bk in ((8, 64), (16, 128)) if not block or bn <= block[0]]
+        for config in configs:  # the heuristic's pick, then every variant the GPU sweep times
+            y = fp8_gemv(x, q, s, block, bias, config=config)
             assert y.dtype == dtype and y.shape == (m, n)
-            assert rel_err(y, ref) < TOL[dtype], (dtype, bn)
+            assert rel_err(y, ref) < TOL[dtype], (dtype, config)
+
+
+def test_fp8_gemv_fma_refuses_tiles_across_scale_blocks():
+    """fma tiles read one scale row per program, so they must not straddle two bn-row scale blocks."""
+    from lamina.kernels.triton_fp8_gemv import GemvConfig, fp8_gemv
+
+    q, s, _ = _weight(64, 64, (16, 32), seed=2)
+    with pytest.raises(ValueError, match="must divide"):
+        fp8_gemv(torch.randn(1, 64, device=DEV), q, s, (16, 32), config=GemvConfig("fma", 32, 64))
 
 
 def test_fp8_block_gemm_refuses_narrow_k_blocks():
@@ -122,7 +133,8 @@ def test_gpu_bench_script_checks_pass_under_the_interpreter():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "fp8_gpu_bench.py"
-    done = subprocess.run([sys.executable, str(script), "--interpret"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--interpret", "--sweep"], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 
 
@@ -141,3 +153,44 @@ def test_scaled_mm_rows_path(m, static):
     ref = (xq.double() * xs.double()) @ dequantize(q, s, None).double().T + bias.double()
     y = _scaled_mm_rows(x, q, s, bias, static_scale)
     assert y.shape == (m, 48) and y.dtype == torch.bfloat16 and rel_err(y, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("group, static", [(None, False), (None, True), (32, False), (128, False)],
+                         ids=["token", "static", "group32", "group128"])
+@pytest.mark.parametrize("m, k", [(5, 200), (16, 4096 + 64)])
+def test_triton_activation_quant_matches_the_torch_reference(group, static, m, k):
+    """The fused quantization kernel vs kernels.fp8.quantize_tokens: same scales, same FP8 codes (the
+    interpreter's fp8 cast is patched to round like the GPU), zero padding rows, either scale layout."""
+    from lamina.kernels.triton_fp8_quant import quantize_tokens_triton
+
+    g = torch.Generator().manual_seed(m + k + (group or 0))
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 50).to(torch.bfloat16)
+    x[1, : k // 2] = 0  # a zero group (and for per-token, a row whose amax sits in its second half)
+    if m > 3:
+        x[3] = 0  # an all-zero token: the tiny scale, not NaN
+    x = x.to(DEV)
+    static_scale = torch.tensor([0.03], device=DEV) if static else None
+    qr, sr = quantize_tokens(x, group=group, static_scale=static_scale)
+    for major in (False, True):
+        q, s = quantize_tokens_triton(x, group, static_scale, pad_m=16, scales_m_major=major)
+        assert q.shape == (-(-m // 16) * 16, k) and s.shape[0] == q.shape[0] and q.dtype == FP8
+        assert s.stride(0) == (1 if major else s.shape[1])
+        assert torch.equal(s[:m].cpu(), sr.cpu())
+        assert torch.equal(q[:m].view(torch.uint8).cpu(), qr.view(torch.uint8).cpu())
+        assert not q[m:].float().abs().any()
+
+
+@pytest.mark.parametrize("block", [(32, 32), (16, 128)], ids=["block32", "block16x128"])
+def test_block_scaled_mm_triton_path(block):
+    """kernels.fp8.block_scaled_mm (fused quantization + Triton GEMM) vs the matmul of the reference's FP8
+    activations and the dequantized weight, with bias."""
+    from lamina.kernels.fp8 import block_scaled_mm
+
+    m, n, k = 37, 64, 256
+    q, s, g = _weight(n, k, block, seed=7)
+    x = torch.randn(m, k, generator=g).to(torch.float16).to(DEV)
+    bias = torch.randn(n, generator=g).to(torch.float16).to(DEV)
+    xq, xs = quantize_tokens(x, group=block[1])
+    ref = (xq.double() * expand_block_scale(xs, (m, k), (1, block[1])).double()) @ dequantize(q, s, block).double().T
+    y = block_scaled_mm(x, q, s, block, bias)
+    assert y.shape == (m, n) and y.dtype == torch.float16 and rel_err(y, ref + bias.double()) < TOL[torch.float16]
