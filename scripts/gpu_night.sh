@@ -38,5 +38,9 @@ sel prof06 && stage prof06 90 python3 scripts/profile_decode.py --model random:q
   --steps 16 --kv-cache-memory-gb 40 --json "$N/prof06/profile_qwen3_06b_b256.json"
 # Issue 14's real-weight rows: SmolLM2 with ngram / self_spec on the GPU (needs $LAMINA_SMOLLM2_GGUF).
 sel smolspec && stage smolspec ${SS_S:-420} bash scripts/gpu_smol_spec.sh
+# The afternoon's kernel rewrites (2026-12-02): every FP8 decode GEMV variant and the fused activation
+# quantization, then the dense layer with its GEMV prologues (fused vs separate, graph replay, launches).
+sel fp8sweep && stage fp8sweep ${F8_S:-115} python3 scripts/fp8_gpu_bench.py --quick --sweep
+sel densecheck && stage densecheck ${DC_S:-115} python3 scripts/gpu_dense_decode_check.py --tune
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"
