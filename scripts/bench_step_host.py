@@ -1,5 +1,5 @@
 """Host time of one engine step's batch building and sampling on the CPU, without the model: 256 decode
-sequences (prompt 200 tokens) of random:tiny-llama, runner.prepare (with the sampling arrays shipped) and
+sequences (prompt 200 tokens) of random:tiny-llama, runner.prepare and ship_sampling and
 sampler.sample + read-back on random [256, 32000] logits, median of 20, per sampling setting.
 
     OMP_NUM_THREADS=1 python scripts/bench_step_host.py
@@ -52,8 +52,12 @@ def bench(label: str, params: SamplingParams, n: int = 256, prompt: int = 200) -
     scheduled = eng.scheduler.schedule().scheduled
     assert len(scheduled) == n and all(s.num_tokens == 1 for s in scheduled)
     logits = torch.randn(n, 32000)
-    t_prep = _median_ms(lambda: eng.runner.prepare(scheduled, None, eng.sampler))
-    batch = eng.runner.prepare(scheduled, None, eng.sampler)  # its device views stay valid until the next one
+    def prepare():
+        batch = eng.runner.prepare(scheduled, None)
+        eng.runner.ship_sampling(batch, eng.sampler)
+        return batch
+    t_prep = _median_ms(prepare)
+    batch = prepare()  # its device views stay valid until the next one
     t_samp = _median_ms(lambda: eng.sampler.sample(logits, batch.sampled, batch.sampling, batch.offsets).to_host())
     print(f"{label:36s} prepare {t_prep:7.2f} ms  sample+readback {t_samp:7.2f} ms", flush=True)
 

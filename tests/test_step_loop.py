@@ -52,7 +52,7 @@ def test_prepare_lays_out_a_verify_step(checkpoints):
     seq.draft_token_ids = [11, 12]
     item, = eng.scheduler.schedule().scheduled
     assert (item.num_tokens, item.num_sampled) == (3, 3)
-    batch = eng.runner.prepare([item], None, eng.sampler)
+    batch = eng.runner.prepare([item], None)
     assert batch.input_ids.tolist() == [seq.token_ids[-1], 11, 12]
     assert batch.positions.tolist() == [n - 1, n, n + 1]
     table = seq.block_table
@@ -61,6 +61,31 @@ def test_prepare_lays_out_a_verify_step(checkpoints):
     assert batch.logits_indices.tolist() == [0, 1, 2] and batch.sample_rows is None
     assert batch.sampled == [seq] * 3 and batch.offsets == [0, 1, 2]
     assert batch.attn.block_tables[0, :len(table)].tolist() == table
+
+
+def test_sampling_arrays_ship_after_the_forward_equal_the_samplers_own(checkpoints):
+    """prepare() ships the forward's inputs only; ship_sampling (called once the forward is launched, so its
+    host work overlaps the device) gives a verify step's rows the metadata sample() would build itself: seeds
+    and min_tokens per output index, penalties over the history with the drafts before each row."""
+    llm = make(checkpoints["llama"], num_kv_blocks=64, async_scheduling=False)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5, min_tokens=3, repetition_penalty=1.2,
+                            presence_penalty=0.3, max_tokens=20, ignore_eos=True, stop_token_ids=[7])
+    eng.add_request("r", prompts(1)[0], params)
+    eng.step()
+    seq = eng.groups["r"].seqs[0]
+    seq.draft_token_ids = [11, 12, 11]
+    item, = eng.scheduler.schedule().scheduled
+    batch = eng.runner.prepare([item], None)
+    assert batch.sampling is None
+    eng.runner.ship_sampling(batch, eng.sampler)
+    want = to_device(build_arrays(batch.sampled, batch.offsets, eng.sampler.eos, eng.runner.vocab),
+                     batch.sampled, torch.device("cpu"))
+    got = batch.sampling
+    assert got.num_rows == want.num_rows == 4 and got.any_seeded and not got.all_greedy
+    for name in ("temperature", "keys", "pen_row", "pen_token", "pen_out_count", "ban_row", "ban_token", "top_k"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.ban_row.tolist() == [0, 1] and got.ban_token.tolist() == [7, 7]  # output indices 1, 2 < min_tokens 3
 
 
 @pytest.mark.parametrize("overlap", [False, True])

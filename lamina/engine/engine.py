@@ -317,8 +317,11 @@ class LLMEngine(StepReadback, StepIsolation):
             if prev is None:
                 fill, filling = self.structured.start_bitmask(*sampled_rows(scheduled)), True
         try:
-            batch = self.runner.prepare(scheduled, prev.pending() if prev is not None else None, self.sampler)
+            pending = prev.pending() if prev is not None else None
+            batch = self.runner.prepare(scheduled, pending)
             logits = self.runner.execute(batch)
+            # the sampler's arrays are built and copied while the forward runs (runner.py says why)
+            self.runner.ship_sampling(batch, self.sampler, pending)
         except BaseException:
             if fill is not None:  # its threads hold the matchers: wait for them before anyone retries
                 fill.cancel()

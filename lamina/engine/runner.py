@@ -2,9 +2,12 @@
 sample) and runs the model over it.
 
 One pass over the scheduled sequences reads their scalars and token slices; everything per token (positions,
-slot mapping, logits rows) is numpy arithmetic over those per-sequence arrays. The step's arrays, sampling
-parameters included, reach the device in one copy (StepStaging); block tables are persistent rows
-(BlockTables) of which only the changed entries travel.
+slot mapping, logits rows) is numpy arithmetic over those per-sequence arrays. The forward's arrays reach the
+device in one copy (StepStaging); block tables are persistent rows (BlockTables) of which only the changed
+entries travel. The sampling parameters go in a second copy of their own (ship_sampling), made after the
+forward is launched: the sampler runs after the forward, so their host work (build_arrays, ~25 arrays) overlaps
+the device instead of delaying the launch (a verify step, read back before the next one is built, has that
+host time on its critical path).
 """
 from __future__ import annotations
 
@@ -16,12 +19,7 @@ import torch
 
 from lamina.engine.block_tables import BlockTables
 from lamina.engine.request import Sequence
-from lamina.engine.sampling_metadata import (
-    SamplingArrays,
-    SamplingMetadata,
-    array_list,
-    metadata_from,
-)
+from lamina.engine.sampling_metadata import SamplingMetadata, array_list, metadata_from
 from lamina.engine.scheduler import ScheduledSeq
 from lamina.engine.staging import StepStaging
 from lamina.kernels.attention import AttentionMetadata, plan_attention
@@ -97,6 +95,8 @@ class ModelRunner:
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         self.staging = StepStaging(device)
+        # Its own buffers: one turn per step each, so neither copy waits on the other's still-queued one.
+        self.sampling_staging = StepStaging(device)
         self.tables = BlockTables(device)
         # The window group's rows (cache/kv_groups.py), made on the first step whose sequences have a window table.
         self.window_tables: BlockTables | None = None
@@ -115,11 +115,9 @@ class ModelRunner:
         self.step_sink = None
 
     @torch.inference_mode()  # its persistent buffers are updated in place, whoever first created them
-    def prepare(self, scheduled: list[ScheduledSeq], pending: PendingTokens | None = None,
-                sampler=None) -> ForwardBatch:
+    def prepare(self, scheduled: list[ScheduledSeq], pending: PendingTokens | None = None) -> ForwardBatch:
         """The step's batch. pending: tokens of the step in flight (PENDING in token_ids), copied into the
-        batch on the device. sampler: a Sampler whose per-row arrays ship with the batch (else sample()
-        builds its own)."""
+        batch on the device. Its sampling parameters: ship_sampling, once the forward is launched."""
         b = len(scheduled)
         start = np.empty(b, np.int64)
         ntok = np.empty(b, np.int64)
@@ -178,11 +176,6 @@ class ModelRunner:
             parts += [state_slots, start > 0]
         if sample_rows is not None:
             parts.append(sample_rows)
-        arrays: SamplingArrays | None = None
-        if sampler is not None and sampled and self.vocab is not None:
-            arrays = sampler.arrays(sampled, offsets, self.vocab, pending.first if pending is not None else None)
-            n_fixed = len(parts)
-            parts += array_list(arrays)
         for p in parts:
             st.add(p)
         dev = st.ship()
@@ -221,13 +214,23 @@ class ModelRunner:
         d_sample_rows = None
         if sample_rows is not None:
             d_sample_rows = dev[k]
-        sampling = None
-        if arrays is not None:
-            sampling = metadata_from(arrays, dev[n_fixed:], sampled)
-            if arrays.late_row.size:
-                sampling.late_tokens = pending.tokens
         return ForwardBatch(d_ids, d_pos, StepContext(attn, state), d_logits, lstart, nlog, d_sample_rows,
-                            sampled, offsets, sampling)
+                            sampled, offsets)
+
+    @torch.inference_mode()
+    def ship_sampling(self, batch: ForwardBatch, sampler, pending: PendingTokens | None = None) -> None:
+        """Sets batch.sampling: the sampler's per-row arrays for the batch's sampled rows, in one copy (after
+        execute(batch) is launched, so this host work overlaps the forward). pending: as given to prepare."""
+        if not batch.sampled or self.vocab is None:
+            return
+        arrays = sampler.arrays(batch.sampled, batch.offsets, self.vocab,
+                                pending.first if pending is not None else None)
+        st = self.sampling_staging
+        for p in array_list(arrays):
+            st.add(p)
+        batch.sampling = metadata_from(arrays, st.ship(), batch.sampled)
+        if arrays.late_row.size:
+            batch.sampling.late_tokens = pending.tokens
 
     @staticmethod
     def _pending_sources(dst: np.ndarray, tok_seq: np.ndarray, positions: np.ndarray, seqs: list[Sequence],
