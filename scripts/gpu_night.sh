@@ -42,5 +42,7 @@ sel smolspec && stage smolspec ${SS_S:-420} bash scripts/gpu_smol_spec.sh
 # quantization, then the dense layer with its GEMV prologues (fused vs separate, graph replay, launches).
 sel fp8sweep && stage fp8sweep ${F8_S:-115} python3 scripts/fp8_gpu_bench.py --quick --sweep
 sel densecheck && stage densecheck ${DC_S:-115} python3 scripts/gpu_dense_decode_check.py --tune
+sel specdense && stage specdense ${SD_S:-115} python3 scripts/gpu_spec_bench.py --only check_dense,forced_dense \
+  --budget-s $(( ${SD_S:-115} - 5 ))
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"
