@@ -107,6 +107,15 @@ def _weight_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, G, stride_qn, strid
 
 
 @triton.jit
+def _x_mask(mask_m, offs_x, K, EVEN_K: tl.constexpr):
+    """No K term when K is whole steps: a mask varying along K would split the x loads into scalars."""
+    if EVEN_K:
+        return mask_m[:, None]  # tl.load broadcasts it over the tile
+    else:
+        return mask_m[:, None] & (offs_x < K)[None, :]
+
+
+@triton.jit
 def _k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     steps = tl.cdiv(K, BLOCK_K)
     per = tl.cdiv(steps, SPLIT_K)
@@ -173,7 +182,7 @@ def _wq_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, G, stride_xm, str
         dt = x_ptr.dtype.element_ty
         if BITS == 4 and not JOIN:
             offs_x = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            xmask = mask_m[:, None] & ((offs_x < K) | EVEN_K)[None, :]  # no K term: x loads stay vectorized
+            xmask = _x_mask(mask_m, offs_x, K, EVEN_K)
             xe = tl.load(x_rows + offs_x[None, :], mask=xmask, other=0.0)
             xo = tl.load(x_rows + offs_x[None, :] + 1, mask=xmask, other=0.0)
             acc = tl.dot(xe, tl.trans(w0.to(dt)), acc, input_precision=PREC)
@@ -184,7 +193,7 @@ def _wq_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, G, stride_xm, str
             else:
                 w = w0
             offs_x = k0 + tl.arange(0, BLOCK_K)
-            xmask = mask_m[:, None] & ((offs_x < K) | EVEN_K)[None, :]
+            xmask = _x_mask(mask_m, offs_x, K, EVEN_K)
             xv = tl.load(x_rows + offs_x[None, :], mask=xmask, other=0.0)
             acc = tl.dot(xv, tl.trans(w.to(dt)), acc, input_precision=PREC)
     _store(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, SPLIT_K)
