@@ -87,18 +87,19 @@ def candidates(m: int, n: int, k: int, group: int, bits: int) -> list[WqConfig]:
     """The heuristic's pick first, then the variants (triton_wq_matmul.KERNELS) and tilings worth timing.
     --quick: the heuristic only; --quick --sweep: the sweep for the 4-bit layouts (the targets)."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == "cuda" else 8
-    out = [heuristic_config(m, n, k, group, sms)]
+    out = [heuristic_config(m, n, k, group, sms, bits)]
     if OPTS.quick and not (OPTS.sweep and bits == 4):
         return out
     if m <= 4:
-        out += [WqConfig("gemv", 1, bn, bk, 1, num_warps=w) for bn, bk, w in
-                ((16, 256, 4), (16, 512, 4), (32, 512, 4), (64, 256, 8))]
-        out += [WqConfig("gemv_cvt", 1, 16, 512), WqConfig("gemv", 1, 16, 512, 2),
-                WqConfig("dot", 16, 32, 128, num_stages=4)]
+        out += [WqConfig("gemv", 1, bn, bk, 1, num_warps=w, num_stages=1) for bn, bk, w in
+                ((8, 1024, 4), (16, 512, 4), (16, 256, 4), (32, 512, 4), (64, 256, 8))]
+        h = out[0]
+        out += [WqConfig("gemv_cvt", 1, h.block_n, h.block_k, h.split_k, num_stages=1),
+                WqConfig("gemv", 1, 16, 512, 2, num_stages=1), WqConfig("dot_join", 16, 32, 128, num_stages=4)]
     elif m <= 16:
-        out += [WqConfig("dot", 16, 32, 128, num_stages=4), WqConfig("dot", 16, 64, 256, num_stages=3),
-                WqConfig("dot_join", 16, 32, 128, num_stages=4), WqConfig("dot", 16, 32, 128, 2, num_stages=4),
-                WqConfig("gemv", 1, 16, 512)]
+        out += [WqConfig("dot", 16, 32, 128, num_stages=4), WqConfig("dot_join", 16, 64, 256, num_stages=3),
+                WqConfig("dot_join", 16, 32, 128, num_stages=4), WqConfig("dot_join", 16, 32, 128, 2, num_stages=4),
+                WqConfig("gemv", 1, 8, 1024, num_stages=1)]
     else:
         out += [WqConfig(kern, bm, bn, bk, 1, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
                 for kern, bm, bn, bk in (("dot", 128, 128, 64), ("dot_join", 128, 128, 64),
@@ -125,7 +126,7 @@ def check(results: list) -> bool:
                     err = rel_err(y1, ref)
                     tol = 1e-2 if dtype == torch.bfloat16 else 3e-3
                     stable = bool(torch.equal(y1, wq_matmul(xd, q, s, o, bits)))
-                    good = err < tol and (stable or heuristic_config(m, n, k, group, 132).split_k > 1)
+                    good = err < tol and (stable or heuristic_config(m, n, k, group, 132, bits).split_k > 1)
                     ok &= good
                     results.append({"check": label, "shape": name, "m": m, "dtype": str(dtype), "rel_err": err,
                                     "bitwise_stable": stable, "ok": good})

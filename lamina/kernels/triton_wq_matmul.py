@@ -229,20 +229,27 @@ def fit_block_k(block_k: int, group: int, k: int, minimum: int) -> int:
     return 0
 
 
-def heuristic_config(m: int, n: int, k: int, group: int, sms: int) -> WqConfig:
-    """Decode (M <= 4): gemv, 16-row tiles (a 4096-row matmul is 256 programs, ~2 per SM, no split), K
-    steps of 256 (128 bytes per row per step, 2 KB per program in flight per stage). M <= 16: dot on one
-    16-row tile. Prefill: 128 x 128 tiles."""
+def heuristic_config(m: int, n: int, k: int, group: int, sms: int, bits: int = 4) -> WqConfig:
+    """Decode (M <= 4): gemv with the widest row tile that still gives >= 3 programs per SM, and K steps of
+    ~4 KB of weight bytes per program (8 KB at 32 rows). Why: the gemv's loads are not pipelined (sm_90 SASS:
+    plain LDG.E.128, no cp.async), so the bytes in flight per SM are programs x step bytes; ~18 KB per SM
+    are needed to cover ~0.7 us of latency at 3.5 TB/s (16 rows x 512 k on a 4096-row matmul is only 256
+    programs: ~8 KB). 8 rows x 1024 k: 96 registers, 5 programs per SM fit. Split-K only where even 8-row
+    tiles leave SMs idle. M <= 16: one 16-row dot tile. Prefill: 128 x 128 tiles. Both dots use dot_join:
+    its x tile streams through cp.async in 16-byte vectors, "dot"'s even/odd x loads are scalar."""
     if m <= 4:
-        block_n = 16
-        split = max(1, min(triton.cdiv(sms, triton.cdiv(n, block_n)), 8))  # only for small N
-        return WqConfig("gemv", 1, block_n, 256, split, num_warps=4, num_stages=4)
+        block_n = next((bn for bn in (32, 16) if triton.cdiv(n, bn) >= 3 * sms), 8)
+        step_bytes = 8192 if block_n == 32 else 4096
+        block_k = min(step_bytes // block_n * (8 // bits), max(16, triton.next_power_of_2(k)))
+        tiles = triton.cdiv(n, block_n)
+        split = max(1, min(triton.cdiv(2 * sms, tiles), 8, triton.cdiv(k, block_k))) if tiles < sms else 1
+        return WqConfig("gemv", 1, block_n, block_k, split, num_warps=4, num_stages=1)
     if m <= 16:
         tiles = triton.cdiv(n, 32)
         split = max(1, min(triton.cdiv(sms, tiles), 8))
-        return WqConfig("dot", 16, 32, 128, split, num_warps=4, num_stages=4)
+        return WqConfig("dot_join", 16, 32, 128, split, num_warps=4, num_stages=4)
     block_m = 64 if m <= 64 else 128
-    return WqConfig("dot", block_m, 128, 64, 1, num_warps=8 if block_m == 128 else 4, num_stages=3)
+    return WqConfig("dot_join", block_m, 128, 64, 1, num_warps=8 if block_m == 128 else 4, num_stages=3)
 
 
 def wq_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
@@ -258,7 +265,7 @@ def wq_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs
         raise ValueError(f"bad quantized weight: bits={bits}, K={k}, qweight {tuple(qweight.shape)}, "
                          f"scales {tuple(scales.shape)}")
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
-    cfg = config or heuristic_config(m, n, k, group, sms)
+    cfg = config or heuristic_config(m, n, k, group, sms, bits)
     gemv = cfg.kernel.startswith("gemv")
     # tl.dot needs K >= 16 per operand (the 4-bit half-tile is BLOCK_K / 2 wide); the 4-bit gemv needs a
     # half-group of >= 1 column pair in the reshape, i.e. an even group.

@@ -22,13 +22,13 @@ def _weight(n: int, k: int, group: int, bits: int, gen: torch.Generator):
     return qweight, scales, offsets
 
 
-def _configs(m: int, n: int, k: int, group: int):
+def _configs(m: int, n: int, k: int, group: int, bits: int):
     from lamina.kernels.triton_wq_matmul import WqConfig, heuristic_config
 
     # block_k 64 with group 16/32 takes several groups per step; 128 with group 128 one; 256 on K = 384 a
     # ragged tail; split 3 a split-K that leaves one program idle on short K.
-    return [heuristic_config(m, n, k, group, sms=8), WqConfig("gemv", 1, 16, 64), WqConfig("gemv_cvt", 1, 32, 256, 3),
-            WqConfig("dot", 16, 32, 64, 2), WqConfig("dot_join", 32, 16, 128)]
+    return [heuristic_config(m, n, k, group, 8, bits), WqConfig("gemv", 1, 16, 64),
+            WqConfig("gemv_cvt", 1, 32, 256, 3), WqConfig("dot", 16, 32, 64, 2), WqConfig("dot_join", 32, 16, 128)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -42,7 +42,7 @@ def test_wq_matmul_matches_reference(bits, m, n, k, group):
     x = torch.randn(m, k, generator=gen)
     ref = x.double() @ dequantize(qweight, scales, offsets, bits).double().t()
     args = (qweight.to(DEV), scales.to(DEV), offsets.to(DEV), bits)
-    for cfg in _configs(m, n, k, group):
+    for cfg in _configs(m, n, k, group, bits):
         for dtype in DTYPES:
             if INTERPRET and dtype == torch.bfloat16 and not cfg.kernel.startswith("gemv"):
                 continue
