@@ -94,6 +94,7 @@ def candidates(m: int, n: int, k: int, group: int, bits: int) -> list[WqConfig]:
         out += [WqConfig("gemv", 1, bn, bk, 1, num_warps=w, num_stages=1) for bn, bk, w in
                 ((8, 1024, 4), (16, 512, 4), (16, 256, 4), (32, 512, 4), (64, 256, 8))]
         h = out[0]
+        out += [WqConfig("gemv_pf", 1, bn, bk, 1, num_stages=1) for bn, bk in ((8, 1024), (16, 512), (16, 1024))]
         out += [WqConfig("gemv_cvt", 1, h.block_n, h.block_k, h.split_k, num_stages=1),
                 WqConfig("gemv", 1, 16, 512, 2, num_stages=1), WqConfig("dot_join", 16, 32, 128, num_stages=4)]
     elif m <= 16:

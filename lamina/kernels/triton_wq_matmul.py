@@ -10,15 +10,19 @@ nibble of byte j, x[2j+1] with the high one), so no interleave is needed. Scales
 once per (row, group) and broadcast in registers.
 
 Kernels (WqConfig.kernel):
-- "gemv" (decode, M <= 4): one x row per program, no tensor cores; acc [BLOCK_N, BLOCK_K/2] fp32 takes
+- "gemv" / "gemv_pf" (decode, M <= 4; _pf loads step i + 1 before step i's math): one x row per
+  program, no tensor cores; acc [BLOCK_N, BLOCK_K/2] fp32 takes
   elementwise FMAs and is reduced over K once at the end. Programs of the same weight tile for
   different rows are launched side by side (row is grid axis 0), so the tile is read from HBM once and
   from L2 for the other rows. The nibble -> float conversion is the exponent trick (q | 0x4B000000 read as
   fp32 is 2^23 + q): integer-to-float converts run at 16/clk/SM on Hopper, a quarter of the FP32 rate,
   and at 2 per byte they would cap the kernel near 2 TB/s; MAGIC=False keeps the plain convert (bench A/B).
 - "dot" (M > 4): tl.dot of the even/odd x half-tiles with the two dequantized half-tiles (transposed).
-- "dot_join": the same, with the half-tiles interleaved back (tl.join + reshape) into one [BLOCK_N,
-  BLOCK_K] tile and one dot with the contiguous x tile (bench A/B against "dot").
+- "dot_join" (M > 4, the heuristic's pick): the half-tiles interleaved back (tl.join + reshape) into one
+  [BLOCK_N, BLOCK_K] tile and one dot with the contiguous x tile (bench A/B against "dot").
+Checked by compiling for sm_90 on a CPU machine (triton.compile with a GPUTarget, SASS via cuobjdump):
+gemv: one LDG.E.128 per thread per 16 weight bytes, no I2F (32 per step with MAGIC=False), no spills;
+dot_join: weights and x through LDGSTS.128 (cp.async), "dot": the x half-tiles as scalar LDG.U16.
 Split-K (atomic adds into fp32) only where the N tiles alone do not fill the GPU: for a batch-1 GEMV it
 costs a memset and a cast launch per linear. Grids are sized from host shapes only (CUDA-graph safe).
 
@@ -78,32 +82,47 @@ def _apply(v, s, o, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, GROUP_W: tl.cons
 
 
 @triton.jit
-def _weight_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, G, stride_qn, stride_sn, GROUP: tl.constexpr,
-                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 MAGIC: tl.constexpr):
-    """Dequantized fp32 weights of one K step. 4 bits: (even-k, odd-k) half-tiles [BLOCK_N, BLOCK_K / 2];
-    8 bits: the tile [BLOCK_N, BLOCK_K] twice."""
+def _raw_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, G, stride_qn, stride_sn, GROUP: tl.constexpr,
+              BITS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The packed bytes of one K step ([BLOCK_N, BLOCK_K / 2] uint8 for 4 bits, [BLOCK_N, BLOCK_K] int8),
+    its scales and offsets; mask_n False loads nothing (the gemv's prefetch past the last step)."""
     s, o = _group_params(s_ptr, o_ptr, offs_n, mask_n, k0, G, stride_sn, GROUP, BLOCK_K)
     if BITS == 4:
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :]
-        if EVEN_K:
-            b = tl.load(ptrs, mask=mask_n[:, None], other=0)
-        else:
-            b = tl.load(ptrs, mask=mask_n[:, None] & (offs_b < K // 2)[None, :], other=0)
+        row_bytes = K // 2
+    else:
+        offs_b = k0 + tl.arange(0, BLOCK_K)
+        row_bytes = K
+    ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :]
+    if EVEN_K:
+        b = tl.load(ptrs, mask=mask_n[:, None], other=0)
+    else:
+        b = tl.load(ptrs, mask=mask_n[:, None] & (offs_b < row_bytes)[None, :], other=0)
+    return b, s, o
+
+
+@triton.jit
+def _dequant(b, s, o, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             MAGIC: tl.constexpr):
+    """Dequantized fp32 weights of one K step. 4 bits: (even-k, odd-k) half-tiles [BLOCK_N, BLOCK_K / 2];
+    8 bits: the tile [BLOCK_N, BLOCK_K] twice."""
+    if BITS == 4:
         lo, hi = _nibbles(b, MAGIC)
         w0 = _apply(lo, s, o, BLOCK_N, BLOCK_K // 2, GROUP // 2)
         w1 = _apply(hi, s, o, BLOCK_N, BLOCK_K // 2, GROUP // 2)
     else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :]
-        if EVEN_K:
-            q = tl.load(ptrs, mask=mask_n[:, None], other=0)
-        else:
-            q = tl.load(ptrs, mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
-        w0 = _apply(q.to(tl.float32), s, o, BLOCK_N, BLOCK_K, GROUP)
+        w0 = _apply(b.to(tl.float32), s, o, BLOCK_N, BLOCK_K, GROUP)
         w1 = w0
     return w0, w1
+
+
+@triton.jit
+def _weight_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, G, stride_qn, stride_sn, GROUP: tl.constexpr,
+                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 MAGIC: tl.constexpr):
+    b, s, o = _raw_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, G, stride_qn, stride_sn, GROUP, BITS, BLOCK_K,
+                        EVEN_K)
+    return _dequant(b, s, o, GROUP, BITS, BLOCK_N, BLOCK_K, MAGIC)
 
 
 @triton.jit
@@ -134,9 +153,22 @@ def _store(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, SPLIT_K: tl.co
 
 
 @triton.jit
+def _gemv_step(w0, w1, x_row, k0, K, BITS: tl.constexpr, WIDTH: tl.constexpr):
+    """One K step's products w * x, [BLOCK_N, WIDTH] fp32 (summed over K once, after the loop)."""
+    if BITS == 4:
+        offs_x = k0 + 2 * tl.arange(0, WIDTH)  # x is tiny and L1-resident: strided loads are fine
+        xe = tl.load(x_row + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
+        xo = tl.load(x_row + offs_x + 1, mask=offs_x < K, other=0.0).to(tl.float32)
+        return w0 * xe[None, :] + w1 * xo[None, :]
+    else:
+        offs_x = k0 + tl.arange(0, WIDTH)
+        return w0 * tl.load(x_row + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _wq_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, G, stride_xm, stride_qn, stride_sn, stride_ym,
                     GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
+                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr, PREFETCH: tl.constexpr):
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -144,19 +176,20 @@ def _wq_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, G, stride_xm, st
     acc = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
     first, last = _k_range(K, BLOCK_K, SPLIT_K)
     x_row = x_ptr + row * stride_xm
+    if PREFETCH:  # the next step's bytes are requested before this step's math: 2 steps in flight
+        b, s, o = _raw_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n & (first < last), first * BLOCK_K, K, G, stride_qn,
+                            stride_sn, GROUP, BITS, BLOCK_K, EVEN_K)
     for i in range(first, last):
         k0 = i * BLOCK_K
-        w0, w1 = _weight_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, G, stride_qn, stride_sn, GROUP, BITS,
-                              BLOCK_N, BLOCK_K, EVEN_K, MAGIC)
-        if BITS == 4:
-            offs_x = k0 + 2 * tl.arange(0, WIDTH)  # x is tiny and L1-resident: strided loads are fine
-            xe = tl.load(x_row + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
-            xo = tl.load(x_row + offs_x + 1, mask=offs_x < K, other=0.0).to(tl.float32)
-            acc += w0 * xe[None, :] + w1 * xo[None, :]
+        if PREFETCH:
+            b_next, s_next, o_next = _raw_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n & (i + 1 < last), k0 + BLOCK_K,
+                                               K, G, stride_qn, stride_sn, GROUP, BITS, BLOCK_K, EVEN_K)
+            w0, w1 = _dequant(b, s, o, GROUP, BITS, BLOCK_N, BLOCK_K, MAGIC)
+            b, s, o = b_next, s_next, o_next
         else:
-            offs_x = k0 + tl.arange(0, WIDTH)
-            xv = tl.load(x_row + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
-            acc += w0 * xv[None, :]
+            w0, w1 = _weight_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, G, stride_qn, stride_sn, GROUP, BITS,
+                                  BLOCK_N, BLOCK_K, EVEN_K, MAGIC)
+        acc += _gemv_step(w0, w1, x_row, k0, K, BITS, WIDTH)
     y = tl.sum(acc, axis=1)
     offs_m = row + tl.arange(0, 1)
     _store(y_ptr, y[None, :], offs_m, offs_n, offs_m < M, mask_n, stride_ym, SPLIT_K)
@@ -199,12 +232,12 @@ def _wq_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, G, stride_xm, str
     _store(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, SPLIT_K)
 
 
-KERNELS = ("gemv", "gemv_cvt", "dot", "dot_join")
+KERNELS = ("gemv", "gemv_pf", "gemv_cvt", "dot", "dot_join")
 
 
 @dataclass(frozen=True)
 class WqConfig:
-    kernel: str  # one of KERNELS ("gemv_cvt": gemv with the plain int -> float convert)
+    kernel: str  # one of KERNELS ("gemv_pf": gemv with a register prefetch; "gemv_cvt": the plain convert)
     block_m: int  # rows of x per program (gemv: always 1)
     block_n: int
     block_k: int
@@ -243,7 +276,10 @@ def heuristic_config(m: int, n: int, k: int, group: int, sms: int, bits: int = 4
         block_k = min(step_bytes // block_n * (8 // bits), max(16, triton.next_power_of_2(k)))
         tiles = triton.cdiv(n, block_n)
         split = max(1, min(triton.cdiv(2 * sms, tiles), 8, triton.cdiv(k, block_k))) if tiles < sms else 1
-        return WqConfig("gemv", 1, block_n, block_k, split, num_warps=4, num_stages=1)
+        # The register prefetch doubles the bytes in flight (8 x 1024: 128 registers, 4 programs per SM, 32
+        # KB); at 32 rows it would take 255 registers, so the 32-row tile goes without.
+        return WqConfig("gemv_pf" if block_n <= 16 else "gemv", 1, block_n, block_k, split, num_warps=4,
+                        num_stages=1)
     if m <= 16:
         tiles = triton.cdiv(n, 32)
         split = max(1, min(triton.cdiv(sms, tiles), 8))
@@ -281,7 +317,8 @@ def wq_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs
     args = (x, qweight, scales, offsets, out, m, n, k, groups, x.stride(0), qweight.stride(0), scales.stride(0),
             out.stride(0))
     if gemv:
-        _wq_gemv_kernel[(m, triton.cdiv(n, cfg.block_n), cfg.split_k)](*args, MAGIC=cfg.kernel == "gemv",
+        _wq_gemv_kernel[(m, triton.cdiv(n, cfg.block_n), cfg.split_k)](*args, MAGIC=cfg.kernel != "gemv_cvt",
+                                                                        PREFETCH=cfg.kernel == "gemv_pf",
                                                                         **common)
     else:
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)

@@ -1,8 +1,8 @@
 """The Triton weight-quantized matmul against the torch reference (dequantize, then a matmul in fp64) on
-fresh random 4- and 8-bit weights: every kernel variant (gemv with the exponent-trick and the plain convert,
-dot on half-tiles, dot on the re-interleaved tile), both scale paths (one group per K step, several groups
-per step), split-K, ragged M/N/K. Under the interpreter bf16 dots read raw bits, so the dot kernels run
-fp16/fp32 there and the gemv (no dot) runs bf16 too; the GPU runs everything in all three."""
+fresh random 4- and 8-bit weights: every kernel variant (gemv with the exponent trick, with a register
+prefetch, with the plain convert; dot on half-tiles; dot on the re-interleaved tile), both scale paths (one
+group per K step, several groups per step), split-K, ragged M/N/K. Under the interpreter bf16 dots read raw
+bits, so the dot kernels run fp16/fp32 there and the gemv (no dot) runs bf16 too; the GPU runs all three."""
 from __future__ import annotations
 
 import pytest
@@ -27,7 +27,7 @@ def _configs(m: int, n: int, k: int, group: int, bits: int):
 
     # block_k 64 with group 16/32 takes several groups per step; 128 with group 128 one; 256 on K = 384 a
     # ragged tail; split 3 a split-K that leaves one program idle on short K.
-    return [heuristic_config(m, n, k, group, 8, bits), WqConfig("gemv", 1, 16, 64),
+    return [heuristic_config(m, n, k, group, 8, bits), WqConfig("gemv", 1, 16, 64), WqConfig("gemv_pf", 1, 8, 64),
             WqConfig("gemv_cvt", 1, 32, 256, 3), WqConfig("dot", 16, 32, 64, 2), WqConfig("dot_join", 32, 16, 128)]
 
 
