@@ -94,7 +94,7 @@ def candidates(m: int, n: int, k: int, group: int, bits: int) -> list[WqConfig]:
         out += [WqConfig("gemv", 1, bn, bk, 1, num_warps=w, num_stages=1) for bn, bk, w in
                 ((8, 1024, 4), (16, 512, 4), (16, 256, 4), (32, 512, 4), (64, 256, 8))]
         h = out[0]
-        out += [WqConfig("gemv_pf", 1, bn, bk, 1, num_stages=1) for bn, bk in ((8, 1024), (16, 512), (16, 1024))]
+        out += [WqConfig("gemv_pf", 1, bn, bk, 1, num_stages=1) for bn, bk in ((8, 1024), (8, 512), (16, 512))]
         out += [WqConfig("gemv_cvt", 1, h.block_n, h.block_k, h.split_k, num_stages=1),
                 WqConfig("gemv", 1, 16, 512, 2, num_stages=1), WqConfig("dot_join", 16, 32, 128, num_stages=4)]
     elif m <= 16:
@@ -135,7 +135,11 @@ def check(results: list) -> bool:
                         print(f"FAIL {label} {name} m={m} {dtype}: rel err {err:.2e} stable={stable}")
                     if OPTS.sweep and name == next(iter(SHAPES)):  # every variant the sweep may pick as best
                         for cfg in candidates(m, n, k, group, bits)[1:]:
-                            err = rel_err(wq_matmul(xd, q, s, o, bits, cfg), ref)
+                            try:
+                                err = rel_err(wq_matmul(xd, q, s, o, bits, cfg), ref)
+                            except Exception as e:  # out of resources: the timing skips it too
+                                print(f"skip {cfg}: {type(e).__name__}")
+                                continue
                             ok &= err < tol
                             results.append({"check": label, "shape": name, "m": m, "dtype": str(dtype),
                                             "config": str(cfg), "rel_err": err, "ok": err < tol})
