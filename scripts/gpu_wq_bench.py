@@ -90,22 +90,20 @@ def candidates(m: int, n: int, k: int, group: int, bits: int) -> list[WqConfig]:
     out = [heuristic_config(m, n, k, group, sms, bits)]
     if OPTS.quick and not (OPTS.sweep and bits == 4):
         return out
+    # ~16 variants per layout (each one compile, 1-3 s on the GPU host): kept short for a 120 s call.
     if m <= 4:
-        out += [WqConfig("gemv", 1, bn, bk, 1, num_warps=w, num_stages=1) for bn, bk, w in
-                ((8, 1024, 4), (16, 512, 4), (16, 256, 4), (32, 512, 4), (64, 256, 8))]
         h = out[0]
-        out += [WqConfig("gemv_pf", 1, bn, bk, 1, num_stages=1) for bn, bk in ((8, 1024), (8, 512), (16, 512))]
+        out += [WqConfig("gemv", 1, bn, bk, 1, num_stages=1) for bn, bk in ((8, 1024), (16, 512), (32, 512))]
+        out += [WqConfig("gemv_pf", 1, bn, bk, 1, num_stages=1) for bn, bk in ((8, 1024), (16, 512))]
         out += [WqConfig("gemv_cvt", 1, h.block_n, h.block_k, h.split_k, num_stages=1),
-                WqConfig("gemv", 1, 16, 512, 2, num_stages=1), WqConfig("dot_join", 16, 32, 128, num_stages=4)]
+                WqConfig("dot_join", 16, 32, 128, num_stages=4)]
     elif m <= 16:
-        out += [WqConfig("dot", 16, 32, 128, num_stages=4), WqConfig("dot_join", 16, 64, 256, num_stages=3),
-                WqConfig("dot_join", 16, 32, 128, num_stages=4), WqConfig("dot_join", 16, 32, 128, 2, num_stages=4),
-                WqConfig("gemv", 1, 8, 1024, num_stages=1)]
+        out += [WqConfig("dot", 16, 32, 128, num_stages=4), WqConfig("dot_join", 16, 32, 128, num_stages=4),
+                WqConfig("dot_join", 16, 64, 256, num_stages=3), WqConfig("gemv_pf", 1, 8, 1024, num_stages=1)]
     else:
         out += [WqConfig(kern, bm, bn, bk, 1, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
                 for kern, bm, bn, bk in (("dot", 128, 128, 64), ("dot_join", 128, 128, 64),
-                                         ("dot_join", 128, 256, 64), ("dot_join", 64, 128, 64),
-                                         ("dot_join", 128, 128, 128))]
+                                         ("dot_join", 128, 256, 64), ("dot_join", 64, 128, 64))]
     return list(dict.fromkeys(out))
 
 
