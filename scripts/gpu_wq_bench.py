@@ -16,6 +16,8 @@ command on the GPU (a few minutes on an H200):
 
 --quick (what scripts/quant_targets.py runs, ~1 minute): checks at M = 1, 16, 2048 in bf16 only, the
 decode timing at M = 1 and 16 with the heuristic configs only (no sweep), prefill with the heuristic only.
+--quick --sweep (~2 minutes): the same, plus every variant of candidates() for the 4-bit layouts (checked
+for correctness on the first shape, then timed; per_config_us / per_config_tflops in the JSON).
 
     python scripts/gpu_wq_bench.py                 # CUDA
     python scripts/gpu_wq_bench.py --interpret     # CPU: tiny shapes through TRITON_INTERPRET=1, checks only
@@ -34,6 +36,7 @@ ARGS = argparse.ArgumentParser()
 ARGS.add_argument("--interpret", action="store_true")
 ARGS.add_argument("--layers", type=int, default=36)
 ARGS.add_argument("--quick", action="store_true")
+ARGS.add_argument("--sweep", action="store_true", help="with --quick: time every variant for the 4-bit layouts")
 OPTS = ARGS.parse_args()
 if OPTS.interpret:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -80,20 +83,28 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def candidates(m: int, n: int, k: int, group: int) -> list[WqConfig]:
+def candidates(m: int, n: int, k: int, group: int, bits: int) -> list[WqConfig]:
+    """The heuristic's pick first, then the variants (triton_wq_matmul.KERNELS) and tilings worth timing.
+    --quick: the heuristic only; --quick --sweep: the sweep for the 4-bit layouts (the targets)."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == "cuda" else 8
-    out = [heuristic_config(m, n, k, group, sms)]
-    if OPTS.quick:
+    out = [heuristic_config(m, n, k, group, sms, bits)]
+    if OPTS.quick and not (OPTS.sweep and bits == 4):
         return out
-    if m <= 16:
-        for bn in (64, 128):
-            for bk in (64, 128):
-                for split in (1, 2, 4, 8):
-                    out.append(WqConfig(16, bn, bk, split))
+    # ~16 variants per layout (each one compile, 1-3 s on the GPU host): kept short for a 120 s call.
+    if m <= 4:
+        h = out[0]
+        out += [WqConfig("gemv", 1, bn, bk, 1, num_stages=1) for bn, bk in ((8, 1024), (16, 512), (32, 512))]
+        out += [WqConfig("gemv_pf", 1, bn, bk, 1, num_stages=1) for bn, bk in ((8, 1024), (16, 512))]
+        out += [WqConfig("gemv_cvt", 1, h.block_n, h.block_k, h.split_k, num_stages=1),
+                WqConfig("dot_join", 16, 32, 128, num_stages=4)]
+    elif m <= 16:
+        out += [WqConfig("dot", 16, 32, 128, num_stages=4), WqConfig("dot_join", 16, 32, 128, num_stages=4),
+                WqConfig("dot_join", 16, 64, 256, num_stages=3), WqConfig("gemv_pf", 1, 8, 1024, num_stages=1)]
     else:
-        for bm, bn, bk in ((64, 128, 64), (128, 128, 64), (128, 256, 64), (128, 128, 32)):
-            out.append(WqConfig(bm, bn, bk, 1, num_warps=8 if bm * bn >= 128 * 128 else 4))
-    return out
+        out += [WqConfig(kern, bm, bn, bk, 1, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+                for kern, bm, bn, bk in (("dot", 128, 128, 64), ("dot_join", 128, 128, 64),
+                                         ("dot_join", 128, 256, 64), ("dot_join", 64, 128, 64))]
+    return list(dict.fromkeys(out))
 
 
 def check(results: list) -> bool:
@@ -114,12 +125,24 @@ def check(results: list) -> bool:
                     err = rel_err(y1, ref)
                     tol = 1e-2 if dtype == torch.bfloat16 else 3e-3
                     stable = bool(torch.equal(y1, wq_matmul(xd, q, s, o, bits)))
-                    good = err < tol and (stable or heuristic_config(m, n, k, group, 132).split_k > 1)
+                    good = err < tol and (stable or heuristic_config(m, n, k, group, 132, bits).split_k > 1)
                     ok &= good
                     results.append({"check": label, "shape": name, "m": m, "dtype": str(dtype), "rel_err": err,
                                     "bitwise_stable": stable, "ok": good})
                     if not good:
                         print(f"FAIL {label} {name} m={m} {dtype}: rel err {err:.2e} stable={stable}")
+                    if OPTS.sweep and name == next(iter(SHAPES)):  # every variant the sweep may pick as best
+                        for cfg in candidates(m, n, k, group, bits)[1:]:
+                            try:
+                                err = rel_err(wq_matmul(xd, q, s, o, bits, cfg), ref)
+                            except Exception as e:  # out of resources: the timing skips it too
+                                print(f"skip {cfg}: {type(e).__name__}")
+                                continue
+                            ok &= err < tol
+                            results.append({"check": label, "shape": name, "m": m, "dtype": str(dtype),
+                                            "config": str(cfg), "rel_err": err, "ok": err < tol})
+                            if err >= tol:
+                                print(f"FAIL {label} {name} m={m} {dtype} {cfg}: rel err {err:.2e}")
     return ok
 
 
@@ -156,10 +179,11 @@ def time_decode(results: list) -> None:
         row = {"timing": "decode step linears", "m": m, "layers": layers, "bf16_us": bf16}
         for label, (bits, group) in LAYOUTS.items():
             qw = {nm: [weight(n, k, bits, group, gen) for _ in range(layers)] for nm, (n, k) in SHAPES.items()}
-            best_total, heur_total, picks = 0.0, 0.0, {}
+            best_total, heur_total, picks, sweeps = 0.0, 0.0, {}, {}
             for nm, (n, k) in SHAPES.items():
                 timed = []
-                for cfg in candidates(m, n, k, group):
+                per_config = {}
+                for cfg in candidates(m, n, k, group, bits):
                     try:
                         def run(x=xs[nm], ws=qw[nm], bits=bits, cfg=cfg):
                             return [wq_matmul(x, *w, bits, cfg) for w in ws]
@@ -169,12 +193,17 @@ def time_decode(results: list) -> None:
                         print(f"skip {cfg}: {type(e).__name__}")
                         continue
                     timed.append((us, cfg))
+                    per_config[str(cfg)] = us
+                sweeps[nm] = per_config
                 heur_total += timed[0][0]
                 us, cfg = min(timed, key=lambda t: t[0])
                 best_total += us
                 picks[nm] = str(cfg)
             row[label] = {"heuristic_us": heur_total, "best_us": best_total, "speedup_heuristic": bf16 / heur_total,
-                          "speedup_best": bf16 / best_total, "best_configs": picks}
+                          "speedup_best": bf16 / best_total, "best_configs": picks,
+                          "heuristic_configs": {nm: str(candidates(m, *shape, group, bits)[0])
+                                                for nm, shape in SHAPES.items()},
+                          "per_config_us": sweeps}
             del qw
             torch.cuda.empty_cache()
         for label, block in (("fp8 rows", None), ("fp8 block128", (128, 128))):
@@ -200,9 +229,12 @@ def time_prefill(results: list) -> None:
         row = {"timing": "prefill", "shape": name, "m": m, "bf16_tflops": 2 * m * n * k / bf16 / 1e6}
         for label, (bits, group) in LAYOUTS.items():
             q = weight(n, k, bits, group, gen)
-            best = min(graph_us(lambda x=x, q=q, b=bits, c=c: wq_matmul(x, *q, b, c))
-                       for c in candidates(m, n, k, group))
+            timed = {str(c): graph_us(lambda x=x, q=q, b=bits, c=c: wq_matmul(x, *q, b, c))
+                     for c in candidates(m, n, k, group, bits)}
+            best = min(timed.values())
             row[label + " tflops"] = 2 * m * n * k / best / 1e6
+            row[label + " heuristic tflops"] = 2 * m * n * k / next(iter(timed.values())) / 1e6
+            row[label + " per_config_tflops"] = {c: 2 * m * n * k / us / 1e6 for c, us in timed.items()}
         results.append(row)
         print(json.dumps(row))
 

@@ -6,7 +6,8 @@ one program per M-block x BLOCK_N columns, gathered token rows, grids from host 
 serves decode, prefill and CUDA-graph capture alike). Weights per expert: uint8 [N, K/2] (4-bit, low nibble
 first) or int8 [N, K], fp16 scale and offset [N, K/G], W = q * scale + offset.
 
-Each K tile reads the packed bytes [BLOCK_K, BLOCK_N]. When BLOCK_K divides the group (G a power of two
+Each K tile reads the packed bytes as [BLOCK_N, BLOCK_K / 2] (contiguous along K) and interleaves the nibbles
+back in registers. When BLOCK_K divides the group (G a power of two
 >= 16, the usual 32/64/128), the tile lies in one group and a . W factorizes per column as
 scale * (a . q) + offset * sum(a): the tensor cores multiply the raw integers (exact in bf16/fp16) and the
 fp32 epilogue of the tile applies the group's scale and offset, so the weights are never rounded. Other
@@ -25,13 +26,18 @@ from lamina.kernels.triton_moe import MoeTiles, moe_align, moe_tiles
 
 
 @triton.jit
-def _wq_tile(a, q_base, s_base, o_base, rows, n_ok, kk, k_ok, k0, stride_qn, stride_sn, GROUP: tl.constexpr,
-             BITS: tl.constexpr, FACTORED: tl.constexpr, DOT_PREC: tl.constexpr):
+def _wq_tile(a, q_base, s_base, o_base, rows, n_ok, kk, k_ok, k0, K, stride_qn, stride_sn, GROUP: tl.constexpr,
+             BITS: tl.constexpr, FACTORED: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_K: tl.constexpr):
     """a [BLOCK_M, BLOCK_K] (the activations' dtype, zero outside k_ok) . W[rows, kk]^T -> fp32 [BLOCK_M, BLOCK_N]."""
     wmask = k_ok[:, None] & n_ok[None, :]
     if BITS == 4:
-        b = tl.load(q_base + rows[None, :] * stride_qn + (kk // 2)[:, None], mask=wmask, other=0)
-        q = (b.to(tl.int32) >> ((kk[:, None] & 1) * 4)) & 0xF
+        # The bytes as [BLOCK_N, BLOCK_K / 2], contiguous along K (16-byte vector loads): addressed as
+        # q + n * stride + k // 2 in [BLOCK_K, BLOCK_N], Triton saw no contiguity through k // 2 and issued
+        # one scattered 1-byte load per element (each byte twice; the dense kernel measured 0.035x bf16 so).
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(q_base + rows[:, None] * stride_qn + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :],
+                    other=0).to(tl.int32)
+        q = tl.trans(tl.reshape(tl.join(b & 0xF, b >> 4), (b.shape[0], BLOCK_K)))  # [BLOCK_K, BLOCK_N], k order
     else:
         q = tl.load(q_base + rows[None, :] * stride_qn + kk[:, None], mask=wmask, other=0).to(tl.int32)
     if FACTORED:
@@ -84,10 +90,10 @@ def _wq_gemm1_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, out_ptr, sorted_ptr, 
             cols = kk
         a = tl.load(x_ptr + tok[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        acc_g += _wq_tile(a, q_base, s_base, o_base, rows_g, n_ok, kk, k_ok, k0, stride_qn, stride_sn, GROUP,
-                          BITS, FACTORED, DOT_PREC)
-        acc_u += _wq_tile(a, q_base, s_base, o_base, rows_u, n_ok, kk, k_ok, k0, stride_qn, stride_sn, GROUP,
-                          BITS, FACTORED, DOT_PREC)
+        acc_g += _wq_tile(a, q_base, s_base, o_base, rows_g, n_ok, kk, k_ok, k0, K, stride_qn, stride_sn, GROUP,
+                          BITS, FACTORED, DOT_PREC, BLOCK_K)
+        acc_u += _wq_tile(a, q_base, s_base, o_base, rows_u, n_ok, kk, k_ok, k0, K, stride_qn, stride_sn, GROUP,
+                          BITS, FACTORED, DOT_PREC, BLOCK_K)
     y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -128,8 +134,8 @@ def _wq_gemm2_kernel(a_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, out_ptr, sorted_ptr, 
             cols = kk
         a = tl.load(a_ptr + prow[:, None] * stride_am + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        acc += _wq_tile(a, q_base, s_base, o_base, rows, n_ok, kk, k_ok, k0, stride_qn, stride_sn, GROUP, BITS,
-                        FACTORED, DOT_PREC)
+        acc += _wq_tile(a, q_base, s_base, o_base, rows, n_ok, kk, k_ok, k0, K, stride_qn, stride_sn, GROUP, BITS,
+                        FACTORED, DOT_PREC, BLOCK_K)
     wt = tl.load(topk_w_ptr + prow, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     o_ptrs = out_ptr + prow[:, None] * stride_om + offs_n[None, :]
