@@ -44,5 +44,6 @@ sel fp8sweep && stage fp8sweep ${F8_S:-115} python3 scripts/fp8_gpu_bench.py --q
 sel densecheck && stage densecheck ${DC_S:-115} python3 scripts/gpu_dense_decode_check.py --tune
 sel specdense && stage specdense ${SD_S:-115} python3 scripts/gpu_spec_bench.py --only check_dense,forced_dense \
   --budget-s $(( ${SD_S:-115} - 5 ))
+sel wqsweep && stage wqsweep ${WQ_S:-130} python3 scripts/gpu_wq_bench.py --quick --sweep
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"
