@@ -20,14 +20,44 @@ in registers in a fixed order, then writes out[t] once in x's dtype. Determinist
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from lamina.kernels.triton_moe import _gemv1_kernel
+from lamina.kernels.triton_moe_stream import down_stream, gate_up_stream
 
 MAX_TOKENS = 16  # the fused decode path takes at most this many tokens (routing tile [16, E] in one program)
 SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """How the gate|up and down steps run. gate_up: "pair" (triton_moe's one-shot per-pair GEMV, 8 rows x whole
+    K per program, 97 regs at 8 warps: 2 programs per SM) or "stream" (triton_moe_stream: persistent, next tile
+    prefetched); down: "sum" (_down_sum_kernel, [16 slots, block_n, block_k] tiles looped over K) or "stream".
+    Registers (ptxas sm_90, bf16, Qwen3-Next shape; no spills): gate|up stream n2 w8 96 (2 per SM), n4 w8 148
+    (1 per SM), n2 w4 154; down stream n1 w8 90 (2 per SM), n1 w4 152 (3 per SM), n2 w8 202 (1 per SM)."""
+    gate_up: str = "stream"
+    gu_block_n: int = 2
+    gu_warps: int = 8
+    gu_per_sm: int = 2
+    down: str = "stream"
+    down_block_n: int = 1
+    down_block_k: int | None = None  # "sum" only; None: whole K up to 8192 elements per tile
+    down_warps: int = 8
+    down_per_sm: int = 2
+
+
+# The morning's kernels as they ran on the H200 (2026-12-01e): the sweep's baseline.
+MORNING_TILES = ExpertTiles(gate_up="pair", down="sum", down_block_n=4, down_warps=4)
+# Best guess, not yet measured on a GPU (scripts/moe_decode_sweep.py measures it against MORNING_TILES):
+# both steps streamed at ~2 programs per SM with two small tiles in flight each.
+DEFAULT_TILES = ExpertTiles()
+# The stream kernels give way to the one-shot ones when a tile would not fit the registers (large H or I):
+STREAM_TILE_MAX = 16384  # elements of one tile: down 16 slots x block_n x next_pow2(I), gate|up 2 x block_n x H
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -225,13 +255,32 @@ def down_sum_triton(inter: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor
     return out
 
 
+def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   tiles: ExpertTiles = DEFAULT_TILES) -> torch.Tensor:
+    """gate|up then down+sum for routed (weights, ids) [T, S]: two launches, out [T, H] in x's dtype."""
+    assert tiles.gate_up in ("pair", "stream") and tiles.down in ("sum", "stream")
+    # fp32 doubles the stream tiles' registers (not swept): the one-shot kernels there
+    wide = x.dtype == torch.float32 or 2 * tiles.gu_block_n * triton.next_power_of_2(x.shape[1]) > STREAM_TILE_MAX
+    if tiles.gate_up == "stream" and not wide:
+        inter = gate_up_stream(x, w13, ids, tiles.gu_block_n, tiles.gu_warps, tiles.gu_per_sm)
+    else:
+        inter = gate_up_pairs_triton(x, w13, ids)
+    block_s, block_k = triton.next_power_of_2(ids.shape[1]), triton.next_power_of_2(w2.shape[2])
+    if tiles.down == "stream" and block_s * tiles.down_block_n * block_k <= STREAM_TILE_MAX and \
+            x.dtype != torch.float32:
+        return down_stream(inter, w2, weights, ids, tiles.down_block_n, tiles.down_warps, tiles.down_per_sm)
+    if tiles.down == "stream":  # a tile too wide for the registers: the looped kernel's measured best tile
+        return down_sum_triton(inter, w2, weights, ids, block_n=8, block_k=128, warps=4)
+    return down_sum_triton(inter, w2, weights, ids, tiles.down_block_n, tiles.down_block_k, tiles.down_warps)
+
+
 def moe_decode_triton(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                       renormalize: bool, shared: bool, counter: torch.Tensor, score: str = "softmax",
-                      bias: torch.Tensor | None = None, **routing) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, tiles: ExpertTiles = DEFAULT_TILES,
+                      **routing) -> torch.Tensor:
     """The whole routed-expert block for T <= MAX_TOKENS tokens in three launches: route, gate|up, down+sum.
     routing: route_triton's keywords (round_logits, scale, fixed, n_group, topk_group, group_top2)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     weights, ids = route_triton(x, gate_weight, top_k, renormalize, shared, counter, score, bias, **routing)
-    inter = gate_up_pairs_triton(x, w13, ids)
-    return down_sum_triton(inter, w2, weights, ids)
+    return experts_triton(x, w13, w2, weights, ids, tiles)
