@@ -16,13 +16,16 @@ Tiles. gate|up: tile = (pair, BLOCK_N rows of I), pair-major so neighbouring pro
 of one expert; whole K = H per tile. down: tile = (token, BLOCK_N output columns of H); all S slots' rows
 ([BLOCK_S, BLOCK_N, BLOCK_K], padded slots masked: no bytes) and whole K = I per tile, weighted sum over the
 slots in registers in a fixed order, so the output is deterministic and needs no atomics. Grids come from
-host shapes and the SM count only: graph-capture safe.
+host shapes and the SM count only: graph-capture safe. PDL (optional, off by default until measured): the
+kernel is launched before its predecessor ends and waits (griddepcontrol.wait) before its first load, which
+hides the launch gap between the three MoE launches (the route kernel takes the same flag).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -44,8 +47,11 @@ def _gu_load(x_ptr, w_ptr, ids_ptr, tile, n_tiles, n_blocks, S, N, K, stride_xm,
 
 @triton.jit
 def _gate_up_stream_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, S, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                           n_tiles, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           n_tiles, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """inter[pair, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]), pair = tok * S + slot, e = ids[pair]."""
+    if PDL:  # launched early (programmatic dependent launch): ids and x are the previous kernels' outputs
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -86,8 +92,12 @@ def _down_load(a_ptr, w_ptr, ids_ptr, wts_ptr, tile, n_tiles, n_blocks, S, N, K,
 
 @triton.jit
 def _down_stream_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, wts_ptr, S, N, K, stride_am, stride_we, stride_wn,
-                        stride_om, n_tiles, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        stride_om, n_tiles, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """out[t, n] = sum_s weight[t, s] * (inter[t*S + s] . w2[ids[t, s], n]), slots summed in registers."""
+    if PDL:  # inter is the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -104,6 +114,11 @@ def _down_stream_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, wts_ptr, S, N, K, stride
         w, a, wt = w2, a2, wt2
 
 
+def pdl_args(pdl: bool, device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch (none on the CPU: the interpreter has no griddepcontrol)."""
+    return dict(PDL=True, launch_pdl=True) if pdl and device.type == "cuda" else {}
+
+
 def stream_programs(device: torch.device, n_tiles: int, per_sm: int) -> int:
     """The persistent grid: per_sm programs per SM (4 on a CPU tensor, so the interpreter walks several tiles
     per program), never more than there are tiles."""
@@ -112,7 +127,7 @@ def stream_programs(device: torch.device, n_tiles: int, per_sm: int) -> int:
 
 
 def gate_up_stream(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, block_n: int = 4, warps: int = 8,
-                   per_sm: int = 2) -> torch.Tensor:
+                   per_sm: int = 2, pdl: bool = False) -> torch.Tensor:
     """inter [T*S, I] = silu(gate) * up of every (token, slot) pair (moe_decode.gate_up_pairs_ref)."""
     t, h = x.shape
     inter_size = w13.shape[1] // 2
@@ -123,12 +138,12 @@ def gate_up_stream(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, block_
     n_tiles = t * s * triton.cdiv(inter_size, block_n)
     _gate_up_stream_kernel[(stream_programs(x.device, n_tiles, per_sm),)](
         x, w13, inter, ids, s, inter_size, h, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), n_tiles,
-        BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(h), num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(h), num_warps=warps, **pdl_args(pdl, x.device))
     return inter
 
 
 def down_stream(inter: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, block_n: int = 2,
-                warps: int = 8, per_sm: int = 2) -> torch.Tensor:
+                warps: int = 8, per_sm: int = 2, pdl: bool = False) -> torch.Tensor:
     """inter [T*S, I], w2 [E, H, I], weights/ids [T, S] -> out [T, H] in inter's dtype (moe_decode.down_sum_ref)."""
     t, s = ids.shape
     _, h, inter_size = w2.shape
@@ -139,5 +154,5 @@ def down_stream(inter: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, id
     _down_stream_kernel[(stream_programs(inter.device, n_tiles, per_sm),)](
         inter, w2, out, ids, weights, s, h, inter_size, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         n_tiles, BLOCK_S=triton.next_power_of_2(s), BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(inter_size),
-        num_warps=warps)
+        num_warps=warps, **pdl_args(pdl, inter.device))
     return out
