@@ -45,5 +45,6 @@ sel densecheck && stage densecheck ${DC_S:-115} python3 scripts/gpu_dense_decode
 sel specdense && stage specdense ${SD_S:-115} python3 scripts/gpu_spec_bench.py --only check_dense,forced_dense \
   --budget-s $(( ${SD_S:-115} - 5 ))
 sel wqsweep && stage wqsweep ${WQ_S:-130} python3 scripts/gpu_wq_bench.py --quick --sweep
+sel moesweep && stage moesweep ${MS_S:-120} python3 scripts/moe_decode_sweep.py --budget $(( ${MS_S:-120} - 20 ))
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"

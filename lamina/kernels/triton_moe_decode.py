@@ -20,14 +20,50 @@ in registers in a fixed order, then writes out[t] once in x's dtype. Determinist
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from lamina.kernels.triton_moe import _gemv1_kernel
+from lamina.kernels.triton_moe_stream import down_stream, gate_up_stream, pdl_args
 
 MAX_TOKENS = 16  # the fused decode path takes at most this many tokens (routing tile [16, E] in one program)
 SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """How the gate|up and down steps run. gate_up: "pair" (triton_moe's one-shot per-pair GEMV, 8 rows x whole
+    K per program, 97 regs at 8 warps: 2 programs per SM) or "stream" (triton_moe_stream: persistent, next tile
+    prefetched); down: "sum" (_down_sum_kernel, [16 slots, block_n, block_k] tiles looped over K) or "stream".
+    Registers (ptxas sm_90, bf16, Qwen3-Next shape; no spills): gate|up stream n2 w8 96 (2 per SM), n4 w8 148
+    (1 per SM), n1 w4 95 (5 per SM); down stream n1 w8 90 (2 per SM), n1 w4 152 (3 per SM), n2 w8 202 (1 per
+    SM); route 55 at T = 1 (4 or 2 warps), 119 at T = 4 (4 warps). scripts/ptxas_moe_decode.py prints them."""
+    gate_up: str = "stream"
+    gu_block_n: int = 2
+    gu_warps: int = 8
+    gu_per_sm: int = 2
+    down: str = "stream"
+    down_block_n: int = 1
+    down_block_k: int | None = None  # "sum" only; None: whole K up to 8192 elements per tile
+    down_warps: int = 4
+    down_per_sm: int = 3
+    route_warps: int | None = None  # None: 4, or 8 for [T, E] tiles of >= 4096 (the morning's choice)
+    pdl: bool = False  # all three launches with programmatic dependent launch (stream kernels only)
+
+
+# The morning's kernels as they ran on the H200 (2026-12-01e): the sweep's baseline.
+MORNING_TILES = ExpertTiles(gate_up="pair", down="sum", down_block_n=4, down_warps=4)
+# Best guess, not yet measured on a GPU (scripts/moe_decode_sweep.py measures it against MORNING_TILES):
+# both steps streamed, as many programs per SM as the registers allow, two tiles in flight each: gate|up
+# 2 x 2 x 16 KB, down 3 x 2 x 11 KB per SM in flight at any time (the morning's one-shot programs had
+# 2 x 64 KB, then nothing, for gate|up; ~4 x 11 KB per K step, four dependent steps, for down).
+DEFAULT_TILES = ExpertTiles()
+# The stream kernels give way to the one-shot ones when a tile would not fit the registers (large H or I):
+STREAM_TILE_MAX = 16384  # elements of one tile: down 16 slots x block_n x next_pow2(I), gate|up 2 x block_n x H
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -35,7 +71,11 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, wout_ptr, iout_ptr
                   scale, TOP_K: tl.constexpr, SHARED: tl.constexpr, FIXED: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_SLOT: tl.constexpr,
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr,
-                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr):
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    if PDL:  # launched early: x is the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     e_tot = E + SHARED  # router rows: routed experts, then the shared expert's gate
     offs_t = tl.arange(0, BLOCK_T)
@@ -162,7 +202,8 @@ def route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorma
                  counter: torch.Tensor, score: str = "softmax", bias: torch.Tensor | None = None,
                  block_e: int | None = None, *, round_logits: bool = True, scale: float = 1.0,
                  fixed: int = 0, n_group: int = 1, topk_group: int = 1,
-                 group_top2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 group_top2: bool = False, warps: int | None = None, pdl: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] (T <= MAX_TOKENS), gate_weight [E (+1 shared row), H] (x's dtype, or fp32 as DeepSeek's
     router) -> (weights [T, k(+1 or +fixed)] in x's dtype, ids int64), as moe_decode.route_ref. counter:
     new_route_counter, not shared with a launch in flight on another stream."""
@@ -182,15 +223,17 @@ def route_triton(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorma
     # ~130 programs for 513 router rows: one 16 KB load per program at T = 1; small routers (DeepSeek-V2-Lite's
     # 64 fp32 rows) take 2 rows per program, so >= 32 programs share the read instead of 16
     block_e = block_e or (4 if e_tot >= 256 else 2)
-    block_k = min(triton.next_power_of_2(h), max(64, 8192 // (block_t * block_e)))
     block_all = triton.next_power_of_2(e)
+    per_program = 8192 if warps is None else 2048 * warps  # elements of one router tile: ~64 per thread at 4 warps
+    warps = warps or (8 if block_t * block_all >= 4096 else 4)
+    block_k = min(triton.next_power_of_2(h), max(64, per_program // (block_t * block_e)))
     _route_kernel[(triton.cdiv(e_tot, block_e),)](
         x, gate_weight, bias if bias is not None else logits, logits, counter, weights, ids, t, e, h, x.stride(0),
         gate_weight.stride(0), float(scale), TOP_K=top_k, SHARED=int(shared), FIXED=fixed, BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_K=block_k, BLOCK_ALL=block_all, BLOCK_SLOT=triton.next_power_of_2(width),
         SIGMOID=score == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize), ROUND=bool(round_logits),
         N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group, GROUP_TOP2=bool(group_top2),
-        num_warps=8 if block_t * block_all >= 4096 else 4)
+        num_warps=warps, **pdl_args(pdl, x.device))
     return weights, ids
 
 
@@ -225,13 +268,34 @@ def down_sum_triton(inter: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor
     return out
 
 
+def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   tiles: ExpertTiles = DEFAULT_TILES) -> torch.Tensor:
+    """gate|up then down+sum for routed (weights, ids) [T, S]: two launches, out [T, H] in x's dtype."""
+    assert tiles.gate_up in ("pair", "stream") and tiles.down in ("sum", "stream")
+    # fp32 doubles the stream tiles' registers (not swept): the one-shot kernels there
+    wide = x.dtype == torch.float32 or 2 * tiles.gu_block_n * triton.next_power_of_2(x.shape[1]) > STREAM_TILE_MAX
+    if tiles.gate_up == "stream" and not wide:
+        inter = gate_up_stream(x, w13, ids, tiles.gu_block_n, tiles.gu_warps, tiles.gu_per_sm, tiles.pdl)
+    else:
+        inter = gate_up_pairs_triton(x, w13, ids)
+    block_s, block_k = triton.next_power_of_2(ids.shape[1]), triton.next_power_of_2(w2.shape[2])
+    if tiles.down == "stream" and block_s * tiles.down_block_n * block_k <= STREAM_TILE_MAX and \
+            x.dtype != torch.float32:
+        return down_stream(inter, w2, weights, ids, tiles.down_block_n, tiles.down_warps, tiles.down_per_sm,
+                           tiles.pdl)
+    if tiles.down == "stream":  # a tile too wide for the registers: the looped kernel's measured best tile
+        return down_sum_triton(inter, w2, weights, ids, block_n=8, block_k=128, warps=4)
+    return down_sum_triton(inter, w2, weights, ids, tiles.down_block_n, tiles.down_block_k, tiles.down_warps)
+
+
 def moe_decode_triton(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                       renormalize: bool, shared: bool, counter: torch.Tensor, score: str = "softmax",
-                      bias: torch.Tensor | None = None, **routing) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, tiles: ExpertTiles = DEFAULT_TILES,
+                      **routing) -> torch.Tensor:
     """The whole routed-expert block for T <= MAX_TOKENS tokens in three launches: route, gate|up, down+sum.
     routing: route_triton's keywords (round_logits, scale, fixed, n_group, topk_group, group_top2)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weights, ids = route_triton(x, gate_weight, top_k, renormalize, shared, counter, score, bias, **routing)
-    inter = gate_up_pairs_triton(x, w13, ids)
-    return down_sum_triton(inter, w2, weights, ids)
+    weights, ids = route_triton(x, gate_weight, top_k, renormalize, shared, counter, score, bias, **routing,
+                                warps=tiles.route_warps, pdl=tiles.pdl)
+    return experts_triton(x, w13, w2, weights, ids, tiles)
