@@ -70,7 +70,7 @@ class StepReadback:
             pos = idx + j
             seq.token_ids[pos] = token
             if seq.grammar is not None:
-                seq.grammar.accept(token)
+                seq.grammar.push(token)  # the matcher takes it with the next fill (structured/state.py)
             if seq.logprobs is not None:
                 seq.logprobs.append(sample_logprobs(result, row0 + j, token, self.detokenizer))
                 seq.cumulative_logprob += result.chosen_logprobs[row0 + j]

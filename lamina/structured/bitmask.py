@@ -29,8 +29,9 @@ class BitmaskBuffers:
         self._rows: list[torch.Tensor | None] = [None, None]
         self._turn = 0
 
-    def host(self, rows: int) -> torch.Tensor:
-        """A host view [rows, width] set to all allowed, to be filled by the caller."""
+    def host(self, rows: int, blank: bool = True) -> torch.Tensor:
+        """A host view [rows, width] set to all allowed (blank=False: left as it was, for a caller that writes
+        every row), to be filled by the caller."""
         self._turn ^= 1
         buf = self._bufs[self._turn]
         if buf is None or buf.shape[0] < rows:
@@ -38,6 +39,8 @@ class BitmaskBuffers:
             buf = torch.empty((max(rows, 8), self.width), dtype=torch.int32, pin_memory=pin)
             self._bufs[self._turn] = buf
         view = buf[:rows]
+        if not blank:
+            return view
         # numpy's fill is one plain memset. torch's fill_ splits a 1.2 MB buffer over its intra-op threads,
         # which the grammar fill's threads keep busy: 5.3 ms per step at 64 rows on the H200 host
         # (scripts/gpu_vllm.sh structured, BENCHMARKS.md), against tens of microseconds for the memset.

@@ -10,9 +10,17 @@ matcher at a time ran the rows one after another under the lock, and took it fro
 on the H200 host at 64 rows, fill_row summed 9.8 ms over 8 threads against 3.1 ms on one, and the batch build
 (prepare) took 2.6 ms against 1.3 ms (scripts/gpu_vllm.sh structured, 2026-12-02).
 
-Here a step's single-row grammars are filled by one batch call (xgrammar's own C++ threads, sized to the
+Here a step's single-row grammars first take their queued tokens (structured/state.py: advance_all) and are
+then filled by one batch call (xgrammar's own C++ threads, sized to the
 rows) on one worker thread: one hand-off per step, and the step loop keeps the lock while the rows fill.
 Verify runs (a row per draft: accept, fill, roll back) follow in the same worker call, one matcher at a time.
+
+The step loop waits for the worker to reach the batch fill (LAMINA_GRAMMAR_FILL_WAIT_START, default 1): a
+thread waiting for the interpreter lock gets it only when the holder blocks or after the 5 ms switch interval
+(each release by the holder restarts that wait), so while the step loop builds the batch (Python, with torch
+calls releasing the lock for microseconds) the worker could not even start, and the fill ran when the step
+loop blocked on it (scripts/structured_host_step.py). The wait costs the step loop the worker's wake-up and
+its accepts.
 
 Threads: LAMINA_GRAMMAR_FILL_THREADS (default min(8, usable cores // 2), at least 1) caps xgrammar's threads,
 at most one per ROWS_PER_THREAD rows; 0 fills on the calling thread with one thread (no overlap). Fewer rows
@@ -24,14 +32,19 @@ idle xgrammar pool sleeps (measured: 0-10 ms of CPU over 1 s idle after fills, 1
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from lamina.structured.bitmask import ALL_ALLOWED
+from lamina.structured.state import GrammarState, advance_all
+
 ROWS_PER_THREAD = 8  # ~15-40 us a row on the H200 host: fewer rows per thread cost more to hand off than they save
 ENV_THREADS = "LAMINA_GRAMMAR_FILL_THREADS"
 ENV_MIN_ROWS = "LAMINA_GRAMMAR_FILL_MIN_ROWS"
+ENV_WAIT_START = "LAMINA_GRAMMAR_FILL_WAIT_START"
 
 
 def default_fill_threads() -> int:
@@ -81,33 +94,58 @@ class MaskFiller:
     """Runs a step's fill on one worker thread (made on the first background fill); not thread-safe: one
     caller, one fill at a time (the caller waits for a fill before starting the next)."""
 
-    def __init__(self, threads: int | None = None, min_rows: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, min_rows: int | None = None,
+                 wait_start: bool | None = None) -> None:
         self.threads = default_fill_threads() if threads is None else threads
         self.min_rows = default_min_rows() if min_rows is None else min_rows
+        self.wait_start = os.environ.get(ENV_WAIT_START, "1").strip() != "0" if wait_start is None else wait_start
         self._pool: ThreadPoolExecutor | None = None
         self._batch: dict[int, object] = {}  # xgrammar BatchGrammarMatcher by thread count
 
-    def start(self, host: torch.Tensor, matchers: list, rows: list[int], jobs: list[Job], count: int,
+    def start(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], jobs: list[Job], count: int,
               background: bool = True) -> PendingFill:
-        """Fills host row rows[i] from matchers[i] (one batch call), then runs the jobs; count: the rows all
-        of it fills. On the worker when background, threads > 0 and count >= min_rows; else here."""
-        if not matchers and not jobs:
+        """Advances states[i] by its queued tokens and fills host row rows[i] from it (one batch call each;
+        a row whose state ends there is set to all ones), then runs the jobs; count: the rows all of it fills.
+        On the worker when background, threads > 0 and count >= min_rows; else here."""
+        if not states and not jobs:
             return PendingFill(None)
         if not background or self.threads <= 0 or count < self.min_rows:
-            return PendingFill(_done(self._fill, host, matchers, rows, jobs))
+            return PendingFill(_done(self._fill, host, states, rows, jobs))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lamina-grammar-fill")
-        return PendingFill(self._pool.submit(self._fill, host, matchers, rows, jobs))
+        started = threading.Event() if self.wait_start else None
+        future = self._pool.submit(self._fill, host, states, rows, jobs, started)
+        if started is not None:
+            started.wait()  # set before the lock-releasing batch fill, or when the fill ends (an error too)
+        return PendingFill(future)
 
-    def _fill(self, host: torch.Tensor, matchers: list, rows: list[int], jobs: list[Job]) -> None:
-        if matchers:
-            n = batch_threads(len(matchers), self.threads)
+    def _fill(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], jobs: list[Job],
+              started: threading.Event | None = None) -> None:
+        try:
+            self._fill_rows(host, states, rows, jobs, started)
+        finally:
+            if started is not None:
+                started.set()
+
+    def _fill_rows(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], jobs: list[Job],
+                   started: threading.Event | None) -> None:
+        if states:
+            advance_all(states)
+            if any(s.done for s in states):  # a stop token or a rejected one came back: those rows unmasked
+                keep = [i for i, s in enumerate(states) if not s.done]
+                for i in set(range(len(states))).difference(keep):
+                    host[rows[i]].numpy().fill(ALL_ALLOWED)
+                states, rows = [states[i] for i in keep], [rows[i] for i in keep]
+        if states:
+            n = batch_threads(len(states), self.threads)
             batch = self._batch.get(n)
             if batch is None:
                 import xgrammar as xg
 
                 batch = self._batch[n] = xg.BatchGrammarMatcher(n)
-            batch.batch_fill_next_token_bitmask(matchers, host, rows)
+            if started is not None:
+                started.set()
+            batch.batch_fill_next_token_bitmask([s.matcher for s in states], host, rows)  # whole rows written
         for job in jobs:
             job()
 

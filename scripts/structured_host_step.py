@@ -1,0 +1,154 @@
+"""The per-step host path of structured output at N constrained rows, without a model (CPU, ~1 minute):
+each step reads the tokens back into the grammars (GrammarState.accept, as StepReadback._accept does), starts
+the bitmask (StructuredOutputManager.start_bitmask: the fill goes to the filler's worker), runs --busy-us of
+pure Python on the step loop's thread (standing in for the batch build and the forward's launch, which hold
+the interpreter lock), then waits for the mask (PendingMask.result). Tokens: a random allowed token per row
+(seeded), drawn from the step's own mask outside the timed phases.
+
+Per phase, us per step on the step loop's thread (median over steps): accept, mask_start, busy, mask_result
+(the wait for the fill); `extra` = step - busy is what structured output puts on the step's critical path.
+
+  python scripts/structured_host_step.py [--rows 64] [--steps 200] [--busy-us 1500] [--tokenizer DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+VOCAB = 151936
+
+
+def busy(us: float) -> None:
+    """Pure Python for `us` microseconds: holds the interpreter lock as the batch build does."""
+    end = time.perf_counter() + us * 1e-6
+    x = 0
+    while time.perf_counter() < end:
+        for i in range(50):
+            x += i
+
+
+def pick(row: np.ndarray, rng: np.random.Generator, stop: set[int]) -> int:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB]
+    allowed = np.flatnonzero(bits)
+    ok = [t for t in allowed[rng.permutation(len(allowed))[:8]] if int(t) not in stop]
+    return int(ok[0]) if ok else int(allowed[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default=".gpu/tok" if Path(".gpu/tok").is_dir() else "/work/main/.gpu/tok")
+    ap.add_argument("--schema", default="scripts/schemas/bench_items.json")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--busy-us", type=float, default=1500.0)
+    ap.add_argument("--threads", type=int, default=None, help="LAMINA_GRAMMAR_FILL_THREADS (default: its default)")
+    ap.add_argument("--switch-us", type=float, default=None, help="sys.setswitchinterval (default: Python's 5 ms)")
+    ap.add_argument("--count", action="store_true", help="count the step loop's calls (Python and C) per phase")
+    ap.add_argument("--result-file", default=None)
+    args = ap.parse_args()
+    if args.switch_us is not None:
+        sys.setswitchinterval(args.switch_us * 1e-6)
+    from transformers import AutoTokenizer
+
+    from lamina.engine.request import Sequence  # noqa: F401  (the manager's import path, as in the engine)
+    from lamina.structured.compiler import GrammarCompilerService
+    from lamina.structured.fill import MaskFiller
+    from lamina.structured.manager import StructuredOutputManager
+    from lamina.structured.params import StructuredOutputsParams
+    from lamina.structured.state import GrammarState
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    mgr = StructuredOutputManager(tok, VOCAB, stop, torch.device("cpu"))
+    if args.threads is not None:
+        mgr._filler = MaskFiller(args.threads)
+    spec = StructuredOutputsParams(json=json.loads(Path(args.schema).read_text()))
+    compiled = mgr.compiler.compile(spec)
+    assert isinstance(mgr.compiler, GrammarCompilerService)
+    params = SimpleNamespace(bad_words_token_ids=None)
+    seqs = [SimpleNamespace(finished=False, grammar=GrammarState(compiled), params=params, draft_token_ids=[],
+                            output_token_ids=[]) for _ in range(args.rows)]
+    rng = np.random.default_rng(0)
+    stops = set(stop)
+    tokens = [None] * args.rows
+    times: dict[str, list[float]] = {k: [] for k in ("accept", "mask_start", "busy", "mask_result", "step")}
+    offsets = [0] * args.rows
+    calls = [0]
+
+    def prof(frame, event, arg) -> None:
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    counts: dict[str, list[int]] = {k: [] for k in ("accept", "mask_start", "mask_result")}
+    for step in range(args.steps + 10):
+        if args.count:
+            c0 = calls[0]
+            sys.setprofile(prof)
+            if tokens[0] is not None:
+                for s, t in zip(seqs, tokens):
+                    getattr(s.grammar, "push", s.grammar.accept)(t)
+            c1 = calls[0]
+            pending = mgr.start_bitmask(seqs, offsets)
+            c2 = calls[0]
+            sys.setprofile(None)
+            busy(args.busy_us)
+            c3 = calls[0]
+            sys.setprofile(prof)
+            mask = pending.result()
+            sys.setprofile(None)
+            c4 = calls[0]
+            for k, v in zip(counts, (c1 - c0, c2 - c1, c4 - c3)):
+                counts[k].append(v)
+            host = mask.bitmask.numpy()
+            for i, s in enumerate(seqs):
+                if s.grammar.terminated:
+                    s.grammar = GrammarState(compiled)
+                tokens[i] = pick(host[i], rng, stops)
+            continue
+        t0 = time.perf_counter()
+        if tokens[0] is not None:
+            for s, t in zip(seqs, tokens):
+                getattr(s.grammar, "push", s.grammar.accept)(t)  # push: what the read-back calls (accept before)
+        t1 = time.perf_counter()
+        pending = mgr.start_bitmask(seqs, offsets)
+        t2 = time.perf_counter()
+        busy(args.busy_us)
+        t3 = time.perf_counter()
+        mask = pending.result()
+        t4 = time.perf_counter()
+        if step >= 10:
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+                times[k].append(v * 1e6)
+        host = mask.bitmask.numpy()
+        for i, s in enumerate(seqs):
+            if s.grammar.terminated:  # start over: the bench's outputs are long
+                s.grammar = GrammarState(compiled)
+            tokens[i] = pick(host[i], rng, stops)
+    if args.count:
+        print(f"rows={args.rows} steps={args.steps}: step-loop calls per step (Python + C; median, max)")
+        for k, v in counts.items():
+            print(f"  {k:12s} {statistics.median(v):8.0f} {max(v):8d}")
+        mgr.close()
+        return
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med["extra"] = med["step"] - med["busy"]
+    q = {k: (statistics.quantiles(v, n=10)[0], statistics.quantiles(v, n=10)[-1]) for k, v in times.items()}
+    print(f"rows={args.rows} steps={args.steps} busy_us={args.busy_us} threads={mgr._filler.threads}")
+    for k, v in med.items():
+        spread = f"  (p10 {q[k][0]:.0f}, p90 {q[k][1]:.0f})" if k in q else ""
+        print(f"  {k:12s} {v:8.0f} us/step{spread}")
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps({"median_us": med, "args": vars(args)}, indent=1))
+    mgr.close()
+
+
+if __name__ == "__main__":
+    main()
