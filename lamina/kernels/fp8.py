@@ -8,7 +8,7 @@ A weight is stored as float8_e4m3fn [N, K] with fp32 scales that multiply it bac
 activation dtype and calls F.linear: weight-only, no activation rounding. On CUDA:
 - M <= 16 rows: the Triton GEMV (triton_fp8_gemv.py) reads FP8 and accumulates fp32, activations unrounded;
 - more rows, block scales: activations quantized per token and per bk-wide group, then the Triton
-  block-scaled GEMM on FP8 tensor cores (triton_fp8_gemm.py), or (BLOCK_GEMM = "scaled_mm", 128x128 blocks
+  block-scaled GEMM on FP8 tensor cores (triton_fp8_gemm.py), or (on Hopper: block_gemm(), 128x128 blocks
   only) torch._scaled_mm's blockwise (1x128 activations, 128x128 weights) scaling;
 - more rows, row scales (also what --quantization fp8, online, stores): activations quantized per token (or
   with a static scale), then torch._scaled_mm with row-wise scales, falling back to the reference where its
@@ -19,6 +19,9 @@ and 330 with the torch quantization; rows _scaled_mm 671 with it (bf16 799).
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +30,12 @@ from lamina.kernels.dispatch import use_triton
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MAX_GEMV_M = 16
-BLOCK_GEMM = "triton"  # or "scaled_mm": which 128x128 block-scaled prefill GEMM runs (scripts/fp8_gpu_bench.py)
+# Which 128x128 block-scaled GEMM runs past the GEMV's rows: torch._scaled_mm's blockwise scaling on Hopper
+# (measured 2026-12-02 on the H200, scripts/fp8_gpu_bench.py, 8,192 tokens of the Qwen3-8B projections with
+# the activation quantization: 1,176 TFLOP/s = 82% of the FP8 peak on qkv, against 506 for the Triton block
+# GEMM and 790 for bf16), the Triton GEMM elsewhere (torch refuses blockwise scales off sm90 here).
+# LAMINA_FP8_BLOCK_GEMM=triton|scaled_mm overrides.
+BLOCK_GEMM_ENV = "LAMINA_FP8_BLOCK_GEMM"
 _TINY = 1e-12  # an all-zero row or block gets this scale instead of 0 (0/0 would be NaN)
 
 
@@ -109,7 +117,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     elif block is not None and block[1] < 32:  # FP8 dots need K tiles >= 32 (real checkpoints use 128)
         return fp8_linear_ref(x, weight, scale, block, bias)
     elif block is not None:
-        y = block_scaled_mm(x2, weight, scale, block, bias, BLOCK_GEMM)
+        y = block_scaled_mm(x2, weight, scale, block, bias, block_gemm(x2.device))
     else:
         y = _scaled_mm_rows(x2, weight, scale, bias, input_scale)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -137,15 +145,24 @@ def _scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     return y if bias is None else y + bias
 
 
+@functools.cache
+def block_gemm(device: torch.device) -> str:
+    """Returns "scaled_mm" on sm90, else "triton" (see BLOCK_GEMM_ENV)."""
+    choice = os.environ.get(BLOCK_GEMM_ENV)
+    if choice in ("triton", "scaled_mm"):
+        return choice
+    return "scaled_mm" if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) else "triton"
+
+
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                     bias: torch.Tensor | None = None, gemm: str = "triton") -> torch.Tensor:
     """x [M, K] (CUDA, bf16/fp16) @ the block-scaled weight: activations quantized per token and bk-wide
     group by the Triton kernel, then gemm "triton" (triton_fp8_gemm) or "scaled_mm" (torch._scaled_mm
-    blockwise: 128x128 weight blocks, bf16 out, K and N multiples of 16; else the Triton GEMM)."""
+    blockwise: 128x128 weight blocks, bf16 out, K and N multiples of 128 as measured; else the Triton GEMM)."""
     from lamina.kernels.triton_fp8_quant import quantize_tokens_triton
 
     n, k = weight.shape
-    if gemm == "scaled_mm" and block == (128, 128) and x.dtype == torch.bfloat16 and not k % 16 and not n % 16:
+    if gemm == "scaled_mm" and block == (128, 128) and x.dtype == torch.bfloat16 and not k % 128 and not n % 128:
         xq, xs = quantize_tokens_triton(x.contiguous(), group=128, pad_m=16, scales_m_major=True)
         # scale_b [ceil(K/128), ceil(N/128)] for b = weight^T: the stored [nb, kb] scales transposed (a view)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), out_dtype=x.dtype)[:x.shape[0]]

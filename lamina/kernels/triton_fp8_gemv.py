@@ -129,19 +129,16 @@ def _block_n(n: int, device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, k: int, block: tuple[int, int] | None, device: torch.device) -> GemvConfig:
-    """The heuristic (a guess until the --sweep run on the H200 names the winner). The "dot" run of
-    2026-12-02 streamed in proportion to its tile: 2 KB tiles (16 x 128, qkv/o/down) 0.9-1.0 TB/s, 8 KB
-    (64 x 128, gate_up) 2.2 TB/s: with 2-3 programs per SM and no load pipelining, bytes in flight set the
-    bandwidth. So: "fma" for M <= 4 with 16384-element accumulators (64 fp32 per thread at 8 warps): 16 rows
-    (8 where that leaves fewer than two programs per SM: N = 4096 on 132 SMs) x 16384 / (rows * M) columns,
-    i.e. 16 KB of weight per program per step at M = 1; "dot" above M = 4, where the tensor cores carry the
-    rows and an [M, BLOCK_N, BLOCK_K] fp32 accumulator would not fit."""
-    if m > 4:
+    """Measured on the H200 (scripts/fp8_gpu_bench.py --sweep, 2026-12-02; raw
+    benchmarks/results/2026-12-02b/kernels/fp8_gpu_bench.json). At M = 1, "fma" with 8 rows x 1024 columns at
+    4 warps was the fastest or within 1% on every Qwen3-8B shape (qkv 14.0, o 9.2, gate_up 41.0, down 22.7 us
+    against bf16's 15.9 / 13.0 / 51.0 / 31.9), while the first guess (16 KB tiles at 8 warps) lost 5-25% and
+    the tensor-core "dot" streamed at 0.9-2.2 TB/s. At M = 4 the fp32 [M, BLOCK_N, BLOCK_K] accumulator makes
+    "fma" lose to "dot" on qkv and gate_up, and neither beats bf16 there: "dot" from M = 3 on."""
+    if m > 2:
         return GemvConfig("dot", _block_n(n, device))
-    bn = 8 if triton.cdiv(n, 16) < 2 * _sms(device) else 16
-    if block is not None:
-        bn = min(bn, block[0])
-    return GemvConfig("fma", bn, 16384 // (bn * triton.next_power_of_2(m)), 8)
+    bn = 8 if block is None else min(8, block[0])
+    return GemvConfig("fma", bn, 1024 // triton.next_power_of_2(m), 4)
 
 
 def scale_addressing(scale: torch.Tensor, block: tuple[int, int] | None, k: int) -> tuple[int, int, int, int]:

@@ -57,11 +57,14 @@ class ExpertTiles:
 
 # The morning's kernels as they ran on the H200 (2026-12-01e): the sweep's baseline.
 MORNING_TILES = ExpertTiles(gate_up="pair", down="sum", down_block_n=4, down_warps=4)
-# Best guess, not yet measured on a GPU (scripts/moe_decode_sweep.py measures it against MORNING_TILES):
-# both steps streamed, as many programs per SM as the registers allow, two tiles in flight each: gate|up
-# 2 x 2 x 16 KB, down 3 x 2 x 11 KB per SM in flight at any time (the morning's one-shot programs had
-# 2 x 64 KB, then nothing, for gate|up; ~4 x 11 KB per K step, four dependent steps, for down).
-DEFAULT_TILES = ExpertTiles()
+# Measured on the H200 (scripts/moe_decode_sweep.py, 2026-12-02, Qwen3-Next layer, 16 routings per graph; raw
+# benchmarks/results/2026-12-02b/kernels/moesweep.log): the whole block route + gate|up + down at T = 1 / 2 / 4
+# took 38.8 / 65.1 / 101.3 us with MORNING_TILES, 39.4 / 66.0 / 116.0 with both steps streamed, and the best
+# pairs 33.0 / 53.7 / 86.7 us. Streamed gate|up at 1 row x 4 warps x 5 programs per SM was best or within
+# 3 us of the one-shot kernel at every T; the streamed down lost everywhere (37-48% of copy bandwidth) to the
+# looped down+sum at 8 output columns x 128 K (52% at T = 1, 73-80% at T = 2-4). So: those two.
+DEFAULT_TILES = ExpertTiles(gate_up="stream", gu_block_n=1, gu_warps=4, gu_per_sm=5, down="sum", down_block_n=8,
+                            down_block_k=128, down_warps=4)
 # The stream kernels give way to the one-shot ones when a tile would not fit the registers (large H or I):
 STREAM_TILE_MAX = 16384  # elements of one tile: down 16 slots x block_n x next_pow2(I), gate|up 2 x block_n x H
 
