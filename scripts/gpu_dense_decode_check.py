@@ -63,12 +63,13 @@ def build(layers: int, shape: dict, dtype: torch.dtype, device: torch.device, tu
 
 
 def step_meta(batch: int, device: torch.device):
-    """A decode step of `batch` sequences with 129 + 37 i tokens of context, 16 pages of 16 tokens each."""
+    """A decode step of `batch` sequences with 129 + 37 i tokens of context, 32 pages of 16 tokens each (the
+    pool's 256 blocks hold 8 sequences; at 16 pages batch 8's 388 tokens ran off its table)."""
     from lamina.kernels.attention import AttentionMetadata
     from lamina.kernels.metadata import StepContext
 
     lens = [129 + 37 * i for i in range(batch)]
-    tables = torch.tensor([[16 * i + j for j in range(16)] for i in range(batch)], dtype=torch.int32)
+    tables = torch.tensor([[32 * i + j for j in range(32)] for i in range(batch)], dtype=torch.int32)
     slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
     meta = AttentionMetadata(slots.to(device), torch.arange(batch + 1, dtype=torch.int32, device=device),
                              torch.tensor(lens, dtype=torch.int32, device=device), tables.to(device),
