@@ -46,5 +46,7 @@ sel specdense && stage specdense ${SD_S:-115} python3 scripts/gpu_spec_bench.py 
   --budget-s $(( ${SD_S:-115} - 5 ))
 sel wqsweep && stage wqsweep ${WQ_S:-130} python3 scripts/gpu_wq_bench.py --quick --sweep
 sel moesweep && stage moesweep ${MS_S:-120} python3 scripts/moe_decode_sweep.py --budget $(( ${MS_S:-120} - 20 ))
+# The defaults set from the sweeps above (FP8 GEMV and blockwise _scaled_mm through fp8_linear).
+sel fp8check && stage fp8check ${FC_S:-40} python3 scripts/fp8_default_check.py
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"
