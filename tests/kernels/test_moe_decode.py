@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEV, TOL, rel_err
+from kernel_helpers import DEV, TOL, rel_err, small_sparse_moe
 
 from lamina.kernels.moe import fused_moe_ref, select_experts
 from lamina.kernels.moe_decode import RouteCounter, down_sum_ref, moe_decode, moe_decode_ref, route_ref
@@ -174,20 +174,8 @@ def test_sparse_moe_layer_fused_path(fold, monkeypatch):
     stacked experts) to the fused kernels: the result equals the layer's unfused forward. On a CPU the
     dispatch's CUDA check is bypassed so the kernels run through the interpreter on the layer's weights."""
     from lamina.models import layers
-    from lamina.models.config import LayerSpec, ModelConfig, MoESpec
-    from lamina.models.layers.moe import SparseMoE
 
-    torch.manual_seed(21)
-    cfg = ModelConfig(family="t", vocab_size=8, hidden_size=32, intermediate_size=16, num_heads=2, num_kv_heads=2,
-                      head_dim=16, layers=[LayerSpec("attention", "moe")],
-                      moe=MoESpec(num_experts=12, top_k=3, intermediate_size=16, renormalize=True,
-                                  shared_intermediate_size=16))
-    with torch.device("meta"):
-        layer = SparseMoE(cfg)
-    layer.to_empty(device="cpu")
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    layer = layer.to(torch.float32)
+    layer = small_sparse_moe(21, torch.float32)
     if fold:
         layer.fuse_shared_expert()
         assert layer.shared_fused

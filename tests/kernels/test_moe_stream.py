@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEV, TOL, rel_err
+from kernel_helpers import DEV, TOL, rel_err, small_sparse_moe
 
 from lamina.kernels.moe_decode import down_sum_ref, gate_up_pairs_ref
 
@@ -86,20 +86,8 @@ def test_sparse_moe_layer_bf16_takes_the_default_tiles(monkeypatch):
     from lamina.kernels import triton_moe_decode as tmd
     from lamina.kernels import triton_moe_stream as ms
     from lamina.models import layers
-    from lamina.models.config import LayerSpec, ModelConfig, MoESpec
-    from lamina.models.layers.moe import SparseMoE
 
-    torch.manual_seed(23)
-    cfg = ModelConfig(family="t", vocab_size=8, hidden_size=32, intermediate_size=16, num_heads=2, num_kv_heads=2,
-                      head_dim=16, layers=[LayerSpec("attention", "moe")],
-                      moe=MoESpec(num_experts=12, top_k=3, intermediate_size=16, renormalize=True,
-                                  shared_intermediate_size=16))
-    with torch.device("meta"):
-        layer = SparseMoE(cfg)
-    layer.to_empty(device="cpu")
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    layer = layer.to(torch.bfloat16)
+    layer = small_sparse_moe(23, torch.bfloat16)
     layer.fuse_shared_expert()
     x = torch.randn(3, 32).to(torch.bfloat16)
     want = layer(x)  # CPU: the unfused path
