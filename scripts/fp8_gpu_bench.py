@@ -351,7 +351,7 @@ def dump() -> None:
 def batch_cases() -> None:
     """Large decode batches (the 256-request offline run's steps: M = 64 and 256, weights cold): bf16
     F.linear vs fp8_linear's M > 16 paths (row scales: fused quantization + _scaled_mm, what online FP8
-    runs; block scales: fused quantization + the Triton GEMM) and, for rows, the old torch quantization."""
+    runs; block scales: fused quantization + the Triton GEMM or torch's blockwise _scaled_mm, the sm90 default)."""
     RESULT["batch"] = []
     est: dict = {}
     for name, (n, k) in SHAPES.items():
@@ -366,7 +366,9 @@ def batch_cases() -> None:
                    "bf16_us": time_us(lambda i: F.linear(x, wbs[i]), copies),
                    "rows_fused_quant_us": time_us(lambda i: _scaled_mm_rows(x, *rows[i], None, None), copies),
                    "rows_torch_quant_us": time_us(lambda i: _rows_mm(x, *rows[i]), copies),
-                   "block_fused_quant_us": time_us(lambda i: block_scaled_mm(x, *blocks[i], (128, 128)), copies)}
+                   "block_fused_quant_us": time_us(lambda i: block_scaled_mm(x, *blocks[i], (128, 128)), copies),
+                   "block_scaled_mm_us": time_us(
+                       lambda i: block_scaled_mm(x, *blocks[i], (128, 128), gemm="scaled_mm"), copies)}
             RESULT["batch"].append(row)
             for key in row:
                 if key.endswith("_us"):
