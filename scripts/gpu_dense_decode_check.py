@@ -2,8 +2,11 @@
 """The dense decode path (dense_decode_path.py: norms and SiLU as GEMV prologues) on a GPU, in one short call:
 
 1. correctness: a stack of Qwen3-8B-shaped DecoderLayers (random bf16 weights, a paged KV pool with random
-   context) at batch 1, 2, 4, 8: fused vs the separate ops (LAMINA_FUSED_DENSE_DECODE=0, the same GEMVs),
-   eager, then the fused stack captured in a CUDA graph and replayed on new inputs (must equal eager bitwise);
+   context) at batch 1, 2, 4, 8: fused and the separate ops (LAMINA_FUSED_DENSE_DECODE=0, the same GEMVs)
+   each against an fp32 twin of the stack (the same bf16 weight and KV values, torch linears): the fused path
+   passes if it is no farther from it than 1.25x the separate path (the 2026-12-02 H200 run saw fused vs
+   separate 0.025 apart over 8 layers, which alone cannot tell rounding from a bug); eager, then the fused
+   stack captured in a CUDA graph and replayed on new inputs (must equal eager bitwise);
 2. kernel launches of one layer at batch 1, fused and not (torch.profiler, eager);
 3. device time per layer at batch 1 and 8 from graph replays of the stack (weights > L2, so every layer
    streams its weights from HBM as in a real step), fused vs not, with the GEMV's untimed heuristic configs
@@ -90,16 +93,39 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def check(stack, hidden: int, batch: int, dtype, device, graphs: bool) -> dict:
+def fp32_twin(stack) -> list:
+    """The stack in fp32 with its weights and KV pools holding exactly the low-precision values, through
+    torch's linears (no GEMV, no fusion): the reference both low-precision paths are measured against."""
+    import copy
+
+    from lamina.cache.specs import KVBlocks
+
+    twin = []
+    for layer in stack:
+        kv, layer.self_attn._kv = layer.self_attn._kv, None  # the pools are bound, not owned: copy them apart
+        t = copy.deepcopy(layer).float()
+        layer.self_attn._kv = kv
+        t.self_attn.bind_state(KVBlocks(kv.k.float(), kv.v.float()))
+        for lin in (t.self_attn.qkv_proj, t.self_attn.o_proj, t.mlp.gate_up_proj, t.mlp.down_proj):
+            lin.gemv = None
+        twin.append(t)
+    return twin
+
+
+def check(stack, twin, hidden: int, batch: int, dtype, device, graphs: bool) -> dict:
     pos, ctx = step_meta(batch, device)
     x = torch.randn(batch, hidden, dtype=dtype, device=device)
     res = torch.randn(batch, hidden, dtype=dtype, device=device)
+    ref, ref_res = run_stack(twin, x.float(), res.float(), pos, ctx)
     os.environ[SWITCH] = "0"
     want, want_res = run_stack(stack, x, res, pos, ctx)
     os.environ[SWITCH] = "1"
     got, got_res = run_stack(stack, x, res, pos, ctx)
-    row = {"batch": batch, "err": rel(got, want), "res_err": rel(got_res, want_res)}
-    ok = row["err"] < 2e-2 and row["res_err"] < 2e-2
+    row = {"batch": batch, "err": rel(got, want), "res_err": rel(got_res, want_res),
+           "separate_vs_fp32": rel(want, ref), "fused_vs_fp32": rel(got, ref),
+           "separate_res_vs_fp32": rel(want_res, ref_res), "fused_res_vs_fp32": rel(got_res, ref_res)}
+    ok = (row["fused_vs_fp32"] <= 1.25 * row["separate_vs_fp32"] + 1e-3
+          and row["fused_res_vs_fp32"] <= 1.25 * row["separate_res_vs_fp32"] + 1e-3)
     if graphs:
         sx, sr = x.clone(), res.clone()
         run_stack(stack, sx, sr, pos, ctx)  # warm (compiles) outside the capture
@@ -190,13 +216,16 @@ def main() -> None:
         shape = dict(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16)
         device, dtype = torch.device("cpu"), torch.float16
         _, stack, _ = build(2, shape, dtype, device, tune=False)
-        results["checks"] = [check(stack, 64, b, dtype, device, graphs=False) for b in (1, 3)]
+        twin = fp32_twin(stack)
+        results["checks"] = [check(stack, twin, 64, b, dtype, device, graphs=False) for b in (1, 3)]
     else:
         shape = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128)
         device, dtype = torch.device("cuda"), torch.bfloat16
         print(torch.cuda.get_device_name(), torch.__version__, flush=True)
         _, stack, _ = build(args.layers, shape, dtype, device, tune=False)
-        results["checks"] = [check(stack, 4096, b, dtype, device, graphs=True) for b in (1, 2, 4, 8)]
+        twin = fp32_twin(stack)
+        results["checks"] = [check(stack, twin, 4096, b, dtype, device, graphs=True) for b in (1, 2, 4, 8)]
+        del twin
         dump(results)
         results["launches"] = launches(stack[0], 4096, dtype, device)
         results["heuristic"] = {b: layer_time_us(stack, 4096, b, dtype, device) for b in (1, 8)}
