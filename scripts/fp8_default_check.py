@@ -23,8 +23,11 @@ from lamina.kernels.fp8 import (
 
 def w8a8_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     """The product with the activations rounded as the M > 16 paths round them: per token, 1 x bk groups."""
-    xq, xs = quantize_tokens(x, block[1] if block else None)
-    xd = xq.double() * xs.double().repeat_interleave(block[1] if block else x.shape[1], 1)[:, :x.shape[1]]
+    if block:  # per 1 x bk group: the activation scales are a (1, bk) block grid
+        xd = dequantize(*quantize_tokens(x, block[1]), (1, block[1]), torch.float64)
+    else:  # per token: one scale per row
+        xq, xs = quantize_tokens(x)
+        xd = dequantize(xq, xs[:, 0], None, torch.float64)
     return xd @ dequantize(q, s, block, torch.float64).t()
 
 

@@ -47,6 +47,8 @@ if OPTS.interpret:
 
     patch_triton_interpreter()
 
+from gpu_timing import rel_err, time_us  # noqa: E402  (scripts/ is on sys.path: this file runs as a script)
+
 from lamina.kernels.fp8 import (
     FP8,
     _scaled_mm_rows,
@@ -79,40 +81,11 @@ if OPTS.interpret:
     SHAPES = {"tiny": (256, 256)}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def check(label: str, err: float, tol: float) -> None:
     ok = err < tol
     print(f"  {'ok ' if ok else 'FAIL'} {label}: rel err {err:.2e} (tol {tol:.0e})")
     if not ok:
         FAILED.append(label)
-
-
-def time_us(fn, copies: int = 1, reps: int = 20) -> float:
-    """Median microseconds of fn(i) over CUDA-graph replays of `copies` calls (i rotates weight copies so
-    each call reads them cold)."""
-    for i in range(copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / copies)
-    return sorted(samples)[len(samples) // 2]
 
 
 def peaks() -> None:

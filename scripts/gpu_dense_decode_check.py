@@ -102,10 +102,8 @@ def fp32_twin(stack) -> list:
 
     twin = []
     for layer in stack:
-        kv, layer.self_attn._kv = layer.self_attn._kv, None  # the pools are bound, not owned: copy them apart
-        t = copy.deepcopy(layer).float()
-        layer.self_attn._kv = kv
-        t.self_attn.bind_state(KVBlocks(kv.k.float(), kv.v.float()))
+        t = copy.deepcopy(layer).float()  # .float() converts parameters; the bound KV pool is rebound below
+        t.self_attn.bind_state(KVBlocks(t.self_attn.k_cache.float(), t.self_attn.v_cache.float()))
         for lin in (t.self_attn.qkv_proj, t.self_attn.o_proj, t.mlp.gate_up_proj, t.mlp.down_proj):
             lin.gemv = None
         twin.append(t)
