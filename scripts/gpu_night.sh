@@ -48,5 +48,8 @@ sel wqsweep && stage wqsweep ${WQ_S:-130} python3 scripts/gpu_wq_bench.py --quic
 sel moesweep && stage moesweep ${MS_S:-120} python3 scripts/moe_decode_sweep.py --budget $(( ${MS_S:-120} - 20 ))
 # The defaults set from the sweeps above (FP8 GEMV and blockwise _scaled_mm through fp8_linear).
 sel fp8check && stage fp8check ${FC_S:-40} python3 scripts/fp8_default_check.py
+# Issue 15's FP8 KV target: random Qwen3-8B, an 8 GiB KV pool, 64 prompts of 3-4k: bf16 vs FP8 KV in one run
+# (FP8 KV kernels checked on the GPU first).
+sel kvfp8 && stage kvfp8 ${KV8_S:-180} python3 scripts/gpu_kv_fp8.py --budget $(( ${KV8_S:-180} - 8 ))
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"

@@ -33,6 +33,12 @@ def add_bench_parser(sub, all_commands: bool = True) -> None:
     tp.add_argument("--temperature", type=nonnegative_float, default=0.0,
                     help="lamina's sampling temperature (default 0: greedy, like the HF baseline)")
     tp.add_argument("--result-file", default=None, help="also write the result JSON here")
+    tp.add_argument("--compare-kv-dtypes", action="store_true",
+                    help="run the workload twice in this process, KV pool in the model dtype (auto) then fp8 "
+                         "(--kv-cache-dtype is ignored), and print for each out/total tok/s, the pool's token "
+                         "capacity, mean and max running sequences per step, preemptions, and the fp8/auto "
+                         "ratios; fix the pool with --kv-cache-memory-gb so both get the same bytes "
+                         "(lamina only: no --baseline)")
     add_vllm_args(tp)
     add_spec_bench_args(tp)
     tp.set_defaults(func=cmd_throughput)
@@ -77,6 +83,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from lamina.bench.workload import make_workload, parse_range
     from lamina.llm import LLM
 
+    if args.compare_kv_dtypes:  # model-dtype vs FP8 KV pool, compared (bench/kv_compare.py)
+        from lamina.bench.kv_compare import cmd_kv_compare
+
+        return cmd_kv_compare(args)
     if args.speculative_config is not None:  # with and without speculation, compared (bench/spec.py)
         from lamina.bench.spec import cmd_spec
 

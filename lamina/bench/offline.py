@@ -23,19 +23,54 @@ def run_throughput(llm, wl: Workload, temperature: float = 0.0) -> dict[str, flo
     sync(llm.engine.device)
     load = getattr(llm.engine, "expert_load", None)  # expert parallelism: per-rank routed pairs
     before = load.read(wait=True) if load is not None else None
+    sched = llm.engine.scheduler
+    preempted = sched.num_preemptions
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    sync(llm.engine.device)
+    with RunningSampler(sched) as running:
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        sync(llm.engine.device)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(wl.output_lens), "every request must produce exactly its output length"
     result = {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
-              "total_tok_s": (out_tokens + wl.num_prompt_tokens) / elapsed}
+              "total_tok_s": (out_tokens + wl.num_prompt_tokens) / elapsed,
+              # What the KV pool admitted: its size in tokens, the batch it allowed step by step, and the
+              # sequences it had to evict (recomputed later) when decode outgrew it.
+              "kv_token_capacity": llm.engine.allocator.num_blocks * llm.engine.config.block_size,
+              "mean_running": running.mean, "max_running": running.max, "num_steps": running.steps,
+              "num_preemptions": sched.num_preemptions - preempted}
     if load is not None:
         routed = [a - b for a, b in zip(load.read(wait=True), before)]
         result["expert_parallel_routed_tokens"] = routed  # the run's pairs per rank, and max / mean of them
         result["expert_parallel_imbalance"] = max(routed) * len(routed) / max(1, sum(routed))
     return result
+
+
+class RunningSampler:
+    """Counts the scheduler's running sequences at every schedule() (the batch each step ran), by wrapping
+    that one scheduler instance's method for the duration of a `with` block."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler, self.steps, self.total, self.max = scheduler, 0, 0, 0
+
+    def __enter__(self) -> RunningSampler:
+        inner = self.scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            n = len(self.scheduler.running)
+            self.steps, self.total, self.max = self.steps + 1, self.total + n, max(self.max, n)
+            return out
+
+        self.scheduler.schedule = schedule
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.scheduler.schedule  # the class's method again
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(1, self.steps)
 
 
 def run_latency(llm, prompt: list[int], output_len: int, repeats: int = 3) -> dict[str, float]:
