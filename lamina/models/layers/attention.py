@@ -118,6 +118,10 @@ class Attention(AttentionBase):
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The layer after its qkv projection (the fused decode path runs the projection with the norm)."""
+        return self.o_proj(self.attend(qkv, positions, ctx))
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Between the projections: q/k norm + RoPE + KV store, attention; [T, Hq * Dv], o_proj's input."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                              self.num_kv_heads * self.head_dim], dim=-1)
@@ -126,4 +130,4 @@ class Attention(AttentionBase):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q = self._norm_rope_store(q, k, v, positions, ctx.attn)
         out = self._paged_attention(q, ctx.attn)
-        return self.o_proj(out.reshape(t, -1))
+        return out.reshape(t, -1)
