@@ -41,6 +41,7 @@ sel smolspec && stage smolspec ${SS_S:-420} bash scripts/gpu_smol_spec.sh
 # The afternoon's kernel rewrites (2026-12-02): every FP8 decode GEMV variant and the fused activation
 # quantization, then the dense layer with its GEMV prologues (fused vs separate, graph replay, launches).
 sel fp8sweep && stage fp8sweep ${F8_S:-115} python3 scripts/fp8_gpu_bench.py --quick --sweep
+sel densestep && stage densestep ${DS_S:-170} bash -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv_epilogue.py tests/kernels/test_decode_prep.py tests/kernels/test_gemv_prologue.py 2>&1 | tail -3; python3 scripts/gpu_dense_step.py --steps ${DS_STEPS:-48}'
 sel densecheck && stage densecheck ${DC_S:-115} python3 scripts/gpu_dense_decode_check.py --tune
 sel specdense && stage specdense ${SD_S:-115} python3 scripts/gpu_spec_bench.py --only check_dense,forced_dense \
   --budget-s $(( ${SD_S:-115} - 5 ))

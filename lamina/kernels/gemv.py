@@ -47,11 +47,13 @@ class GemvDispatcher:
                 and (bias is None or (bias.dim() == 1 and bias.is_contiguous())))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 prologue=None) -> torch.Tensor:
+                 prologue=None, epilogue=None) -> torch.Tensor:
         """y = pro(x) W^T + b; prologue: a triton_gemv.Prologue (its residual and sum_out shaped like x) or None.
         Each prologue kind is timed as a shape of its own: its extra fp32 tile math raises the dot configs'
         registers (ptxas, sm_90, bf16, m16 n32 k256: 64 plain, 148 with add + norm, 154 with SiLU; k512 spills
-        with either), so the plain winner need not be the prologue's."""
+        with either), so the plain winner need not be the prologue's. epilogue: a triton_gemv.Epilogue (its
+        residual and norm_out shaped like the output; an activation epilogue's output is half the weight's
+        rows), timed the same way; for add_norm the returned tensor is the new residual stream."""
         from lamina.kernels import triton_gemv as tg
 
         x2 = x.reshape(-1, x.shape[-1])
@@ -61,32 +63,38 @@ class GemvDispatcher:
         n, k = weight.shape
         dev = x.device.index if x.device.index is not None else (torch.cuda.current_device() if x.is_cuda else -1)
         sms = self._sms.get(dev) or self._sms.setdefault(dev, tg._num_sms(x.device))
-        key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev) + ((prologue.kind,) if prologue else ())
+        key = (tg._bucket(m), n, k, x.dtype, bias is not None, dev) + ((prologue.kind,) if prologue else ()) \
+            + (("epi", epilogue.kind) if epilogue else ())
         cfg = self.configs.get(key)
         if cfg is None:
-            if not self.tune or torch.cuda.is_current_stream_capturing():
-                cfg = tg.heuristic_config(m, n, k, sms, allow_split=False)  # nothing to time or allocate here
+            if not self.tune or torch.cuda.is_current_stream_capturing():  # nothing to time or allocate here
+                cfg = tg.heuristic_config(m, _out_rows(n, epilogue), k, sms, allow_split=False)
             else:
-                cfg = self._choose(key, x2, weight, bias, sms, prologue)
+                cfg = self._choose(key, x2, weight, bias, sms, prologue, epilogue)
         if prologue is not None and prologue.residual is not None:
             prologue = dataclasses.replace(prologue, residual=prologue.residual.reshape(m, -1),
                                            sum_out=prologue.sum_out.view(m, -1))
-        y = tg.gemv(x2, weight, bias, cfg, self._workspace(key, cfg, x.device), prologue=prologue)
-        return y.view(*x.shape[:-1], n)
+        if epilogue is not None and epilogue.residual is not None:
+            epilogue = dataclasses.replace(epilogue, residual=epilogue.residual.reshape(m, -1),
+                                           norm_out=epilogue.norm_out.view(m, -1))
+        y = tg.gemv(x2, weight, bias, cfg, self._workspace(key, cfg, x.device, epilogue), prologue=prologue,
+                    epilogue=epilogue)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
-    def _workspace(self, key: tuple, cfg, device: torch.device):
+    def _workspace(self, key: tuple, cfg, device: torch.device, epilogue=None):
         from lamina.kernels import triton_gemv as tg
 
-        if cfg.split_k == 1:
+        kind = epilogue.kind if epilogue is not None else None
+        if not tg.needs_workspace(cfg, kind):
             return None
         wkey = (key, cfg)
         ws = self._workspaces.get(wkey)
         if ws is None:  # kept for the dispatcher's lifetime: captured graphs hold these pointers
-            ws = self._workspaces[wkey] = tg.new_workspace(key[0], key[1], cfg, device)
+            ws = self._workspaces[wkey] = tg.new_workspace(key[0], _out_rows(key[1], epilogue), cfg, device, kind)
         return ws
 
     def _choose(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                sms: int, prologue=None):
+                sms: int, prologue=None, epilogue=None):
         """Times every candidate on this shape (M rounded up to the bucket) and keeps the fastest that
         matches F.linear. Timing: a CUDA-graph replay of a few calls, each after an L2 flush, minus the
         flushes alone. The flush reads (sums) a buffer of twice the L2 size: a write flush would leave dirty
@@ -96,29 +104,34 @@ class GemvDispatcher:
         m = key[0]
         xb, pro, ref_in = _sample_input(m, key[2], x, prologue)
         ref = F.linear(ref_in, weight, bias).float()
+        epi, ref, pick = _sample_epilogue(epilogue, ref, x.dtype)
         flush = torch.ones(2 * _l2_bytes(x.device) // 4, dtype=torch.float32, device=x.device)
         results: list[tuple[float, object]] = []
-        cands = tg.candidate_configs(m, key[1], key[2], sms)
-        if prologue is not None:  # the plain shape's fastest few only: each prologue kind is a compile per tile
-            plain = key[:-1]
+        cands = tg.candidate_configs(m, _out_rows(key[1], epilogue), key[2], sms)
+        if prologue is not None or epilogue is not None:  # the plain shape's fastest few: each is a compile
+            plain = key[:6]
             if plain not in self._ranked:
                 self._choose(plain, x, weight, bias, sms)
-            cands = self._ranked.get(plain, cands)[:PROLOGUE_CANDIDATES]
+            cands = self._ranked.get(plain, cands)
+            if epilogue is not None and epilogue.kind != "add_norm":
+                cands = _act_epilogue_candidates(cands)
+            cands = cands[:PROLOGUE_CANDIDATES]
         for cfg in cands:
-            ws = self._workspace(key, cfg, x.device)
+            ws = self._workspace(key, cfg, x.device, epilogue)
             try:
-                y = tg.gemv(xb, weight, bias, cfg, ws, prologue=pro)
-                err = ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                y = tg.gemv(xb, weight, bias, cfg, ws, prologue=pro, epilogue=epi)
+                got = pick(y).float()
+                err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                 if err < 2e-2:
                     t = _graph_time_us(lambda cfg=cfg, ws=ws, y=y: tg.gemv(xb, weight, bias, cfg, ws, out=y,
-                                                                          prologue=pro), flush)
+                                                                          prologue=pro, epilogue=epi), flush)
                     results.append((t, cfg))
                 else:
                     self.rejected.setdefault(key, []).append(f"{cfg.label()}: error {err:.1e}")
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or fit is no candidate
                 self.rejected.setdefault(key, []).append(f"{cfg.label()}: {type(exc).__name__}")
         if not results:
-            return tg.heuristic_config(m, key[1], key[2], sms, allow_split=False)
+            return tg.heuristic_config(m, _out_rows(key[1], epilogue), key[2], sms, allow_split=False)
         results.sort(key=lambda r: r[0])
         self._ranked[key] = [c for _, c in results]
         self.timings[key] = [(c.label(), t) for t, c in results]
@@ -144,6 +157,44 @@ def _sample_input(m: int, k: int, x: torch.Tensor, prologue):
         pro = dataclasses.replace(pro, residual=res, sum_out=torch.empty_like(xb))
         return xb, pro, rms_norm_ref(xb + res, pro.weight, pro.eps, pro.offset)
     return xb, pro, rms_norm_ref(xb, pro.weight, pro.eps, pro.offset)
+
+
+def _out_rows(n: int, epilogue) -> int:
+    """Output columns of a weight with n rows: half of them under an activation epilogue (gate|up)."""
+    return n // 2 if epilogue is not None and epilogue.kind != "add_norm" else n
+
+
+def _act_epilogue_candidates(ranked: list) -> list:
+    """An activation epilogue's tiles from the plain gate|up shape's ranking: unsplit only, each at its own
+    block_n and at half of it (a program then streams as many weight bytes as the plain tile did)."""
+    out = []
+    for cfg in ranked:
+        if cfg.split_k != 1:
+            continue
+        for bn in (cfg.block_n // 2, cfg.block_n):
+            if bn >= (16 if cfg.dot else 1):
+                c = dataclasses.replace(cfg, block_n=bn)
+                if c not in out:
+                    out.append(c)
+    return out
+
+
+def _sample_epilogue(epilogue, ref_y: torch.Tensor, dtype: torch.dtype):
+    """(epilogue to time with, its reference output, which of the GEMV's outputs to compare): the linear's
+    reference through the unfused op; add_norm compares the norm output, on a random residual."""
+    from lamina.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+    from lamina.kernels.norm import rms_norm_ref
+
+    if epilogue is None:
+        return None, ref_y, lambda y: y
+    if epilogue.kind != "add_norm":
+        act = silu_and_mul_ref if epilogue.kind == "silu" else gelu_tanh_and_mul_ref
+        return epilogue, act(ref_y), lambda y: y
+    res = torch.randn(ref_y.shape, dtype=dtype, device=ref_y.device)
+    h = torch.empty_like(res)
+    epi = dataclasses.replace(epilogue, residual=res, norm_out=h)
+    return epi, rms_norm_ref(ref_y + res.float(), epilogue.weight, epilogue.eps, epilogue.offset).float(), \
+        lambda y: h
 
 
 def _l2_bytes(device: torch.device) -> int:

@@ -199,7 +199,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
                            out: torch.Tensor | None = None,
                            num_splits: int | None = None, tune: dict[str, int] | None = None,
-                           poison_workspace: bool = False, decode_variant: str | None = None) -> torch.Tensor:
+                           poison_workspace: bool = False, decode_variant: str | None = None,
+                           prep: tuple | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, Dv]. The keyword-only arguments exist for tests and tuning sweeps
     (`tune` overrides fields of Tiles; for the new decode kernel its `decode_*` keys override DecodeConfig
     fields: decode_heads, decode_block_n, decode_warps, decode_stages). decode_variant: "old" or "new"
@@ -209,7 +210,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     CUDA-graph runner's metadata carries (then the grids depend only on q's shape and meta.num_seqs, and
     rows are told apart on the device; see attention_launch.py). Sequences with seq_len 0 are padding:
     both kernels write zeros for their rows and read no K/V. softcap: tanh soft-capping of the scores
-    (None or 0: off)."""
+    (None or 0: off). prep: the q/k norm + RoPE + KV store folded into the decode kernel (decode_v2's prep;
+    q is then the raw projection): a decode-only batch and the new kernel only."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -223,6 +225,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     launch = launch_of(meta)
     have_decode, have_prefill = launch.decode, launch.prefill
+    assert prep is None or (have_decode and not have_prefill), "the folded prep is for decode-only batches"
     sliding = sliding_window is not None and sliding_window > 0
     window = int(sliding_window) if sliding else 0
     scale_log2 = float(scale) * LOG2E
@@ -245,12 +248,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if variant not in ("old", "new"):
             raise ValueError(f"decode variant must be 'old' or 'new', got {variant!r}")
         if variant == "old":
+            assert prep is None, "the first decode kernel has no folded prep"
             decode_v1(q, k_cache, v_cache, out, meta, scalars, prec, tiles.decode_block_n, tiles.decode_warps,
                       tiles.decode_stages, num_splits, poison_workspace)
         else:
             dtune = {k[len("decode_"):]: v for k, v in tune.items() if k.startswith("decode_")}
             triton_decode_attention.decode_v2(q, k_cache, v_cache, out, meta, scalars, prec, dtune, num_splits,
-                                              poison_workspace)
+                                              poison_workspace, prep)
     if have_prefill:
         g_pad = triton.next_power_of_2(g)
         block_m = max(tiles.prefill_block_m, g_pad)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lamina.kernels.triton_attention import to_cache
+from lamina.kernels.triton_attention_tile import to_cache
 
 
 @triton.jit

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.triton_attention_prep import _norm_rope_rows
+from lamina.kernels.triton_attention_tile import to_cache
 from lamina.kernels.triton_decode_attention_v1 import device_sms
 
 MAX_SPLITS = 32  # the combine pass takes up to 256; 64 splits of a 32k context were slower than 32 (run 2)
@@ -106,7 +108,16 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
                           G: tl.constexpr, HEADS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                           PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
-                          DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, IDS_AHEAD: tl.constexpr):
+                          DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, IDS_AHEAD: tl.constexpr,
+                          k_ptr=None, v_ptr=None, pos_ptr=None, slot_ptr=None, cs_ptr=None, qw_ptr=None,
+                          kw_ptr=None, stride_nkt=0, stride_nkh=0, stride_nvt=0, stride_nvh=0, stride_cs=0,
+                          eps=0.0, norm_off=0.0, PREP: tl.constexpr = False, ROT: tl.constexpr = 0,
+                          HAS_NORM: tl.constexpr = False):
+    # PREP (decode_prep: the attention prep folded in): q is the projection's raw q; each program normalizes
+    # and rotates its own query rows (a few KB, redone by each split: cheaper than a launch), and the one split
+    # whose range holds the new token (position seq_len - 1) normalizes and rotates that token's k of its KV
+    # heads and stores it with v into the cache at the token's slot, then a CTA barrier makes the stores
+    # visible to its own loads of that page. No other program reads the new token, so no grid-wide wait.
     # KV-head group fastest: the programs launched together read the same pages (one token's heads are
     # adjacent in the cache), and share the sequence's block-table row and query in L2.
     hg = tl.program_id(0)
@@ -131,7 +142,30 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
     row_ok = (r < HEADS * G) & (qh < num_q_heads)
     d = tl.arange(0, BLOCK_D)
     q_off = q_start.to(tl.int64) * stride_qt + qh * stride_qh
-    qt = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    if PREP:
+        cs_row = cs_ptr + tl.load(pos_ptr + q_start).to(tl.int64) * stride_cs
+        qt = _norm_rope_rows(q_ptr, q_off, row_ok, qw_ptr, cs_row, eps, norm_off, D, ROT, BLOCK_D,
+                             HAS_NORM).to(q_ptr.dtype.element_ty)  # rounded as the prep kernel writes q
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        if (slot >= 0) & (start <= seq_len - 1) & (seq_len - 1 < end):
+            hk = kvh0 + tl.arange(0, HEADS)
+            hk_ok = hk < num_kv_heads
+            hk64 = hk.to(tl.int64)
+            kn = _norm_rope_rows(k_ptr, q_start.to(tl.int64) * stride_nkt + hk64 * stride_nkh, hk_ok, kw_ptr,
+                                 cs_row, eps, norm_off, D, ROT, BLOCK_D, HAS_NORM)
+            kn = to_cache(kn.to(k_ptr.dtype.element_ty), kc_ptr)
+            page, poff = slot // PAGE, slot % PAGE
+            tl.store(kc_ptr + page * stride_kb + poff * stride_kt + hk64[:, None] * stride_kh + d[None, :], kn,
+                     mask=hk_ok[:, None] & (d < D)[None, :])
+            dvn = tl.arange(0, BLOCK_DV)
+            mv = hk_ok[:, None] & (dvn < DV)[None, :]
+            vn = tl.load(v_ptr + q_start.to(tl.int64) * stride_nvt + hk64[:, None] * stride_nvh + dvn[None, :],
+                         mask=mv)
+            tl.store(vc_ptr + page * stride_vb + poff * stride_vt + hk64[:, None] * stride_vh + dvn[None, :],
+                     to_cache(vn, vc_ptr), mask=mv)
+        tl.debug_barrier()  # the new token's K/V stores are visible to this CTA's loads of that page
+    else:
+        qt = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
 
     c = tl.arange(0, BLOCK_N * HEADS)  # key column c: token c // HEADS of the step, KV head kvh0 + c % HEADS
     ctok = c // HEADS
@@ -228,11 +262,14 @@ def _decode_combine_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr, qs_ptr, num_q_heads, s
 
 
 def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, bool, bool], prec: str,
-              tune: dict | None = None, num_splits: int | None = None, poison_workspace: bool = False) -> None:
+              tune: dict | None = None, num_splits: int | None = None, poison_workspace: bool = False,
+              prep: tuple | None = None) -> None:
     """Launches the packed decode kernel (and, when split, the combine pass) for the query-length-1 rows of
     meta's batch. scalars: (scale_log2, cap_log2, window, sliding, capped) as paged_attention_triton derives
     them; tune: DecodeConfig fields overriding the table's (sweeps and tests); num_splits: forced split count
-    (a power of two up to 256)."""
+    (a power of two up to 256). prep: (k, v, positions, cos_sin_cache, slot_mapping, q_weight, k_weight, eps,
+    offset): q is the raw projection and the kernel does the q/k norm + RoPE + KV store itself (a decode-only
+    batch; see the kernel's PREP)."""
     scale_log2, cap_log2, window, sliding, capped = scalars
     t, hq, d = q.shape
     hkv, dv, page = k_cache.shape[2], v_cache.shape[-1], k_cache.shape[1]
@@ -262,7 +299,19 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
         G=g, HEADS=heads, M_PAD=m_pad, BLOCK_N=block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page,
         SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, SOFTCAP=capped, IDS_AHEAD=cfg.ids_ahead,
         num_warps=cfg.warps,
-        num_stages=cfg.stages)
+        num_stages=cfg.stages, **(_prep_args(prep) if prep is not None else {}))
     if splits > 1:
         _decode_combine_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1), DV=dv,
                                         BLOCK_DV=block_dv, NUM_SPLITS=splits, BLOCK_S=min(splits, 32), num_warps=4)
+
+
+def _prep_args(prep: tuple) -> dict:
+    """The PREP launch's extra arguments (see decode_v2's prep)."""
+    k, v, positions, cos_sin, slots, qw, kw, eps, offset = prep
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    rot = cos_sin.shape[-1]
+    has_norm = qw is not None
+    return dict(k_ptr=k, v_ptr=v, pos_ptr=positions, slot_ptr=slots, cs_ptr=cos_sin,
+                qw_ptr=qw if has_norm else k, kw_ptr=kw if has_norm else k, stride_nkt=k.stride(0),
+                stride_nkh=k.stride(1), stride_nvt=v.stride(0), stride_nvh=v.stride(1), stride_cs=cos_sin.stride(0),
+                eps=float(eps), norm_off=float(offset), PREP=True, ROT=rot, HAS_NORM=has_norm)

@@ -26,20 +26,27 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from lamina.kernels.gemv_fusion import Epilogue, Prologue  # noqa: F401 - the fusions' descriptions, re-exported
+
 MAX_M = 16  # the dispatcher (gemv.py) sends at most this many rows here
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, s_ptr, nw_ptr, eps, nw_off, M, N, K,
-                 stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, k_per_split, BLOCK_M: tl.constexpr,
+                 stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, k_per_split, h_ptr, stride_hm,
+                 BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = False,
-                 PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64, PRO: tl.constexpr = 0):
+                 PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64, PRO: tl.constexpr = 0,
+                 EPI: tl.constexpr = 0, BLOCK_R: tl.constexpr = 16, BLOCK_B: tl.constexpr = 16):
     # PRO (prologue on x, see Prologue): 0 none; 1 RMSNorm; 2 residual add + RMSNorm (program (0, k) writes
     # its K share of the sum to s_ptr); 3 SiLU(gate) * up, 4 tanh-GELU(gate) * up (x: [M, 2K], gate first).
     # The norm's 1/rms is a per-row scalar: each program sums squares over its own K share in the main loop
     # and scales the accumulator at the end (split-K: the partial sums of squares travel with the partials),
     # so no program reads more of x than without the prologue and no extra pass over x is needed.
+    # EPI (epilogue on y, see Epilogue; PRO must be 0): 1 SiLU(gate) * up, 2 tanh-GELU(gate) * up (W: [2N, K]
+    # gate rows then up rows; each program owns rows n of both halves, SPLIT_K 1); 3 residual add + RMSNorm
+    # of the whole output row: y_ptr gets y + residual (r_ptr), h_ptr its norm (see _add_norm_epilogue).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -61,16 +68,19 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, s_ptr, nw
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # EPI 1/2: the up half's rows (dead code else)
+    up_off = N.to(tl.int64) * stride_wn
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     writer = pid_n == 0  # the programs of the first N block write the residual sum (disjoint K shares)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # no mask along K: the loads stay 16-byte vectors
             xm = m_ok[:, None]
-            wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            wmask = n_ok[:, None]
         else:
             k_ok = (k0 + offs_k) < k_end
             xm = m_ok[:, None] & k_ok[None, :]
-            wt = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            wmask = n_ok[:, None] & k_ok[None, :]
+        wt = tl.load(w_ptrs, mask=wmask, other=0.0)
         xt = tl.load(x_ptrs, mask=xm, other=0.0)
         if PRO == 1 or PRO == 2:
             if PRO == 2:  # x + residual rounded to the stream dtype, as the unfused add rounds it
@@ -93,6 +103,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, s_ptr, nw
             acc += tl.dot(xt, tl.trans(wt), input_precision=DOT_PREC)
         else:
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+        if EPI == 1 or EPI == 2:
+            wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
+            if USE_DOT:
+                acc_up += tl.dot(xt, tl.trans(wu), input_precision=DOT_PREC)
+            else:
+                acc_up += tl.sum(xt.to(tl.float32)[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -102,7 +118,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, s_ptr, nw
             acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        if EPI == 1 or EPI == 2:  # gate and up rounded to the output dtype first, as the unfused GEMV rounds
+            if HAS_BIAS:
+                acc_up += tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            if EPI == 2:
+                u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+                acc = gate / (1.0 + tl.exp(-2.0 * u)) * up
+            else:
+                acc = gate / (1.0 + tl.exp(-gate)) * up
+        if EPI == 3:
+            _add_norm_epilogue(acc, y_ptr, r_ptr, h_ptr, nw_ptr, part_ptr, cnt_ptr, eps, nw_off, M, N, stride_ym,
+                               stride_rm, stride_hm, offs_m, offs_n, y_mask, pid_n, tl.num_programs(0), 0,
+                               BLOCK_M, BLOCK_R, BLOCK_B)
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         n_blocks = tl.num_programs(0)
@@ -124,8 +155,52 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, s_ptr, nw
                 total = total * (1.0 / tl.sqrt(total_ss / K + eps))[:, None]
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            if EPI == 3:
+                _add_norm_epilogue(total, y_ptr, r_ptr, h_ptr, nw_ptr, part_ptr, cnt_ptr + n_blocks, eps, nw_off, M,
+                                   N, stride_ym, stride_rm, stride_hm, offs_m, offs_n, y_mask, pid_n, n_blocks,
+                                   SPLIT_K * n_blocks * (BLOCK_M * (BLOCK_N + 1)), BLOCK_M, BLOCK_R, BLOCK_B)
+            else:
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _add_norm_epilogue(acc, y_ptr, r_ptr, h_ptr, nw_ptr, part_ptr, cnt_ptr, eps, nw_off, M, N, stride_ym,
+                       stride_rm, stride_hm, offs_m, offs_n, y_mask, pid_n, n_blocks, ss_off,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The add + RMSNorm that follows a projection, done by the projection's own programs: each writes its
+    tile of s = y + residual (y rounded first, as the unfused GEMV writes it) and the tile's sum of squares,
+    then arrives at one counter; the last program to arrive sums the n_blocks partial sums in a fixed order
+    (deterministic: graph replays equal eager) and writes the whole rows' h = s * rstd * (w + offset), read
+    back from L2 (.cg). It resets the counter, so a replay finds it zero. The rows are a few KB: one program
+    reads them in a few loads, cheaper than the launch and ramp of a separate norm kernel."""
+    ss_ptr = part_ptr + ss_off  # [n_blocks, BLOCK_M] fp32 after any split-K partials
+    yb = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    rt = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0.0).to(tl.float32)
+    st = (yb + rt).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], st, mask=y_mask)
+    sf = tl.where(y_mask, st.to(tl.float32), 0.0)
+    tl.store(ss_ptr + pid_n * BLOCK_M + offs_m, tl.sum(sf * sf, axis=1))
+    tl.debug_barrier()  # this program's s tile and partial are issued before it arrives
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_blocks - 1:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for b0 in range(0, n_blocks, BLOCK_B):
+            blk = b0 + tl.arange(0, BLOCK_B)
+            part = tl.load(ss_ptr + blk[:, None] * BLOCK_M + offs_m[None, :], mask=(blk < n_blocks)[:, None],
+                           other=0.0, cache_modifier=".cg")
+            ss += tl.sum(part, axis=0)
+        rstd = tl.math.rsqrt(ss / N + eps)
+        cols = tl.arange(0, BLOCK_R)
+        for m in range(M):
+            r_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+            for n0 in range(0, N, BLOCK_R):
+                c_ok = (n0 + cols) < N
+                s = tl.load(y_ptr + m * stride_ym + n0 + cols, mask=c_ok, other=0.0, cache_modifier=".cg")
+                w = tl.load(nw_ptr + n0 + cols, mask=c_ok, other=0.0).to(tl.float32) + nw_off
+                tl.store(h_ptr + m * stride_hm + n0 + cols, ((s.to(tl.float32) * r_m) * w).to(
+                    h_ptr.dtype.element_ty), mask=c_ok)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,63 +282,63 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int, allow_split: bool = T
     return GemvConfig(bn, bk, split, warps, stages, dot=m > 2)
 
 
-def workspace_shape(m: int, n: int, cfg: GemvConfig) -> tuple[int, int]:
-    """(fp32 partial elements, int32 counters) a split-K launch needs; (0, 0) without split."""
-    if cfg.split_k == 1:
-        return 0, 0
-    n_blocks = triton.cdiv(n, cfg.block_n)  # partial tiles, then a norm prologue's partial sums of squares
-    return cfg.split_k * n_blocks * cfg.block_m(m) * (cfg.block_n + 1), n_blocks
+def workspace_shape(m: int, n: int, cfg: GemvConfig, epilogue: str | None = None) -> tuple[int, int]:
+    """(fp32 partial elements, int32 counters) a launch needs: split-K partials and one counter per N block;
+    an add_norm epilogue adds one sum of squares per N block and row, and one counter. (0, 0): none."""
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    parts = counters = 0
+    if cfg.split_k > 1:  # partial tiles, then a norm prologue's partial sums of squares
+        parts, counters = cfg.split_k * n_blocks * cfg.block_m(m) * (cfg.block_n + 1), n_blocks
+    if epilogue == "add_norm":
+        parts, counters = parts + n_blocks * cfg.block_m(m), counters + 1
+    return parts, counters
 
 
-def new_workspace(m: int, n: int, cfg: GemvConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    parts, counters = workspace_shape(m, n, cfg)
+def needs_workspace(cfg: GemvConfig, epilogue: str | None = None) -> bool:
+    return cfg.split_k > 1 or epilogue == "add_norm"
+
+
+def new_workspace(m: int, n: int, cfg: GemvConfig, device: torch.device,
+                  epilogue: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    parts, counters = workspace_shape(m, n, cfg, epilogue)
     return (torch.empty(max(parts, 1), dtype=torch.float32, device=device),
             torch.zeros(max(counters, 1), dtype=torch.int32, device=device))
 
 
-@dataclasses.dataclass(frozen=True)
-class Prologue:
-    """What the GEMV does to x before multiplying (the small op that would otherwise be its own launch).
-
-    kind "norm": x -> rms_norm(x) * (weight + offset); "add_norm": the same on x + residual, whose sum (rounded
-    to x's dtype) is written to sum_out; "silu" / "gelu_tanh": x is [M, 2K] gate|up -> act(gate) * up,
-    rounded once as triton_activation rounds it. The norm's 1/rms scales the fp32 accumulator instead of each
-    normalized element: the inputs to the products are x * weight rounded once, where the separate norm rounds
-    x * rstd * weight once (the same size of error; results are not bitwise those of the two launches)."""
-
-    kind: str
-    weight: torch.Tensor | None = None
-    eps: float = 1e-6
-    offset: float = 0.0
-    residual: torch.Tensor | None = None
-    sum_out: torch.Tensor | None = None
-
-    @property
-    def code(self) -> int:
-        return {"norm": 1, "add_norm": 2, "silu": 3, "gelu_tanh": 4}[self.kind]
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
          workspace: tuple[torch.Tensor, torch.Tensor] | None = None, *, out: torch.Tensor | None = None,
-         num_sms: int | None = None, prologue: Prologue | None = None) -> torch.Tensor:
-    """y = pro(x) @ weight.T + bias. x: [M, K] (M <= 16, unit stride on K; [M, 2K] for an activation
-    prologue), weight: [N, K] contiguous rows, same dtype as x; bias [N] or None. Without `config` the
-    heuristic pick is used; a split-K config needs a workspace (new_workspace; counters zero, which every
-    launch leaves them) or gets a fresh one. prologue: see Prologue (None: x as it is)."""
+         num_sms: int | None = None, prologue: Prologue | None = None,
+         epilogue: Epilogue | None = None) -> torch.Tensor:
+    """y = epi(pro(x) @ weight.T + bias). x: [M, K] (M <= 16, unit stride on K; [M, 2K] for an activation
+    prologue), weight: [N, K] contiguous rows ([2N, K] for an activation epilogue), same dtype as x; bias
+    [N] ([2N]) or None. Without `config` the heuristic pick is used; a split-K config or an add_norm
+    epilogue needs a workspace (new_workspace; counters zero, which every launch leaves them) or gets a fresh
+    one. prologue: see Prologue, epilogue: see Epilogue (at most one of the two)."""
     m = x.shape[0]
     n, k = weight.shape
     pro = prologue.code if prologue is not None else 0
+    epi = epilogue.code if epilogue is not None else 0
+    assert not (pro and epi), "a prologue or an epilogue, not both"
+    if epi in (1, 2):
+        assert n % 2 == 0 and (config is None or config.split_k == 1), "an activation epilogue takes no split"
+        n //= 2
     assert 1 <= m <= MAX_M and x.shape[1] == (2 * k if pro >= 3 else k) and x.dtype == weight.dtype
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     if config is None:
-        config = heuristic_config(m, n, k, num_sms or _num_sms(x.device))
+        config = heuristic_config(m, n, k, num_sms or _num_sms(x.device), allow_split=epi not in (1, 2))
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if config.split_k > 1 and workspace is None:
-        workspace = new_workspace(m, n, config, x.device)
-    parts, counters = workspace if config.split_k > 1 else (out, out)
-    res = sums = norm_w = x
+    epi_kind = epilogue.kind if epilogue is not None else None
+    if needs_workspace(config, epi_kind) and workspace is None:
+        workspace = new_workspace(m, n, config, x.device, epi_kind)
+    parts, counters = workspace if needs_workspace(config, epi_kind) else (out, out)
+    res = sums = norm_w = normed = x
     eps, off = 0.0, 0.0
+    if epi == 3:
+        norm_w, eps, off = epilogue.weight, float(epilogue.eps), float(epilogue.offset)
+        res, normed = epilogue.residual, epilogue.norm_out
+        assert norm_w.shape == (n,) and norm_w.is_contiguous() and res.shape == out.shape == normed.shape
+        assert res.stride(-1) == 1 and normed.stride(-1) == 1 and out.stride(-1) == 1
     if pro in (1, 2):
         norm_w, eps, off = prologue.weight, float(prologue.eps), float(prologue.offset)
         assert norm_w.shape == (k,) and norm_w.is_contiguous()
@@ -275,11 +350,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else out, out, parts, counters, res, sums, norm_w, eps, off, m, n, k,
-        x.stride(0), res.stride(0), sums.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=config.block_m(m), BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=config.split_k, USE_DOT=config.dot,
+        x.stride(0), res.stride(0), sums.stride(0), weight.stride(0), out.stride(0), k_per_split, normed,
+        normed.stride(0), BLOCK_M=config.block_m(m), BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=config.split_k,
+        USE_DOT=config.dot,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.warps, num_stages=config.stages, PRO=pro, **_pdl_args(config, x.element_size()))
+        num_warps=config.warps, num_stages=config.stages, PRO=pro, EPI=epi, **_epi_blocks(epi, m, n, config),
+        **_pdl_args(config, x.element_size()))
     return out
+
+
+def _epi_blocks(epi: int, m: int, n: int, config: GemvConfig) -> dict:
+    """The add_norm tail's tiles: row chunks of <= 2048 (registers: the tail shares the kernel's budget)
+    and partial sums read <= 4096 at a time."""
+    if epi != 3:
+        return {}
+    bm, n_blocks = config.block_m(m), triton.cdiv(n, config.block_n)
+    return dict(BLOCK_R=min(2048, triton.next_power_of_2(n)),
+                BLOCK_B=min(triton.next_power_of_2(n_blocks), max(1, 4096 // bm)))
 
 
 def _pdl_args(config: GemvConfig, elem_bytes: int) -> dict:

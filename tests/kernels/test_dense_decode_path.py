@@ -109,3 +109,54 @@ def test_path_declines_cpu_and_other_layers():
     layer, _, _ = _layer("silu")
     assert not dense_decode_path.applies(layer, torch.randn(1, 64).half())  # no dispatcher, CPU tensor
     assert not dense_decode_path.applies(layer, torch.randn(1, 64).to(DEV).half()) or DEV.type == "cuda"
+
+
+@pytest.mark.parametrize("mode,want_kinds", [
+    ("epi", [None, "epi:add_norm", "epi:act", None]),
+    ("pro_in,epi_post,epi_act", ["pro:norm", "epi:add_norm", "epi:act", None]),
+    ("epi_act", [None, None, "epi:act", None]),
+    ("epi_post,pro_act", [None, "epi:add_norm", None, "pro:act"]),
+])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_epilogue_modes_match_separate_ops(mode, want_kinds, act, rows, monkeypatch):
+    """LAMINA_FUSED_DENSE_DECODE's epilogue fusions (o_proj + add + norm, gate|up + activation), alone and
+    mixed with prologues: each GEMV gets the fusion the mode names, and the layer matches the separate ops."""
+    import lamina.kernels.gemv as gemv_mod
+    import lamina.kernels.triton_gemv as tg
+    from lamina.kernels.gemv import GemvDispatcher
+
+    layer, k, v = _layer(act)
+    gen = torch.Generator().manual_seed(rows + len(mode))
+    x = torch.randn(rows, 64, generator=gen).half()
+    residual = torch.randn(rows, 64, generator=gen).half()
+    want, want_res, want_k, _, _ = _run(layer, k, v, x, residual)
+
+    monkeypatch.setattr(gemv_mod, "use_triton", lambda t: True)
+    monkeypatch.setenv("LAMINA_FUSED_DENSE_DECODE", mode)
+    disp = GemvDispatcher(enabled=True, tune=False)
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        lin.gemv = disp
+    kinds: list[str | None] = []
+    orig = tg.gemv
+
+    def spy(*args, prologue=None, epilogue=None, **kw):
+        kinds.append(f"pro:{'act' if prologue.kind in ('silu', 'gelu_tanh') else prologue.kind}" if prologue
+                     else f"epi:{'act' if epilogue.kind in ('silu', 'gelu_tanh') else epilogue.kind}" if epilogue
+                     else None)
+        return orig(*args, prologue=prologue, epilogue=epilogue, **kw)
+
+    monkeypatch.setattr(tg, "gemv", spy)
+    got, got_res, got_k, _, _ = _run(layer, k, v, x, residual)
+    assert kinds == [k.replace("pro:norm", "pro:add_norm") if k else k for k in want_kinds]
+    assert rel_err(got, want) < 2 * TOL[torch.float16]
+    assert rel_err(got_res, want_res) < TOL[torch.float16]
+    assert rel_err(got_k, want_k) < TOL[torch.float16]
+
+
+def test_unknown_fusion_name_raises(monkeypatch):
+    from lamina.models.layers import dense_decode_path
+
+    monkeypatch.setenv("LAMINA_FUSED_DENSE_DECODE", "pro_in,epi_typo")
+    with pytest.raises(ValueError, match="epi_typo"):
+        dense_decode_path.fusions()

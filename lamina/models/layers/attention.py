@@ -96,6 +96,20 @@ class AttentionBase(nn.Module):
         return qk_norm_rope_store(q, k, v, positions, self.cos_sin_cache, self.k_cache, self.v_cache,
                                   meta.slot_mapping, *norm)
 
+    def _prep_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """_norm_rope_store then _paged_attention; under LAMINA_FUSED_ATTN_PREP=1 a decode-only CUDA batch with
+        an unscaled cache runs both as one kernel (decode_prep.py), one launch fewer per layer."""
+        from lamina.kernels import decode_prep
+
+        own = self._own(meta)
+        if decode_prep.applies(q, own) and self.active_kv_scales == (1.0, 1.0):
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) \
+                if self.qk_norm else (None, None, 1e-6, 0.0)
+            return decode_prep.prep_attention(q, k, v, positions, self.cos_sin_cache, self.k_cache, self.v_cache,
+                                              own, self.scale, self.sliding_window, self.softcap, *norm)
+        return self._paged_attention(self._norm_rope_store(q, k, v, positions, meta), meta)
+
     def _paged_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention over the bound cache; a scaled FP8 cache's k_scale joins the softmax scale and its
         v_scale multiplies the output."""
@@ -118,12 +132,14 @@ class Attention(AttentionBase):
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The layer after its qkv projection (the fused decode path runs the projection with the norm)."""
+        return self.o_proj(self.attend(qkv, positions, ctx))
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Between the projections: q/k norm + RoPE + KV store, attention; [T, Hq * Dv], o_proj's input."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                              self.num_kv_heads * self.head_dim], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q = self._norm_rope_store(q, k, v, positions, ctx.attn)
-        out = self._paged_attention(q, ctx.attn)
-        return self.o_proj(out.reshape(t, -1))
+        return self._prep_attend(q, k, v, positions, ctx.attn).reshape(t, -1)

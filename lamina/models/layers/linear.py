@@ -64,11 +64,11 @@ class Linear(_WithFormat):
         return self.gemv is not None and type(self.format) is DenseFormat and self.format.partition is None \
             and self.gemv.accepts(x, self.weight, self.bias, act=act)
 
-    def forward(self, x: torch.Tensor, prologue=None) -> torch.Tensor:
-        """prologue (a triton_gemv.Prologue; only where takes_prologue said so): the norm or activation the
-        decode GEMV applies to x itself, in the same launch."""
-        if prologue is not None or self.takes_prologue(x):  # decode rows of a dense weight on CUDA
-            return self.gemv(x, self.weight, self.bias, prologue)
+    def forward(self, x: torch.Tensor, prologue=None, epilogue=None) -> torch.Tensor:
+        """prologue / epilogue (a triton_gemv.Prologue / Epilogue; only where takes_prologue said so): the norm
+        or activation the decode GEMV applies to x before, or to y after, the products, in the same launch."""
+        if prologue is not None or epilogue is not None or self.takes_prologue(x):  # decode rows, dense, CUDA
+            return self.gemv(x, self.weight, self.bias, prologue, epilogue)
         return self.format.apply(self, x)
 
     def extra_repr(self) -> str:
