@@ -69,16 +69,22 @@ def kn_dequantize(w: KnWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 
 @triton.jit
-def _pair(words, SHIFT: tl.constexpr):
+def _pair(words, SHIFT: tl.constexpr, ASM: tl.constexpr):
     """Nibbles 2t, 2t + 1 of every word as fp32 256 + q and 16 + q (SHIFT = 15 - 8t; the words are uint32,
-    so a right shift brings in zeros)."""
+    so a right shift brings in zeros). ASM: one LOP3 per nibble ((c & mask) | exponent); written as & then
+    |, LLVM and ptxas keep two LOP3s (two immediates). The interpreter runs ASM=False."""
     if SHIFT >= 0:
         c = words << SHIFT
     else:
         c = words >> (-SHIFT)
-    lo = ((c & 0x78000) | 0x43800000).to(tl.float32, bitcast=True)  # exponent 135: 2^8 (1 + q 2^15 / 2^23)
-    hi = ((c & 0x780000) | 0x41800000).to(tl.float32, bitcast=True)  # exponent 131: 2^4 (1 + q 2^19 / 2^23)
-    return lo, hi
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $2, 0x78000, 0x43800000, 0xea;\n\tlop3.b32 $1, $2, 0x780000, 0x41800000, 0xea;",
+            "=r,=r,r", [c], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        lo = (c & 0x78000) | 0x43800000  # exponent 135: 2^8 (1 + q 2^15 / 2^23) = 256 + q
+        hi = (c & 0x780000) | 0x41800000  # exponent 131: 2^4 (1 + q 2^19 / 2^23) = 16 + q
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -97,8 +103,10 @@ def _x8(x_row, kw, mask_k):
 
 
 @triton.jit
-def _step(q_ptr, s_ptr, o_ptr, x_row, kw, offs_n, mask_k, mask_n, stride_qk, stride_sg, GROUP: tl.constexpr):
-    """One K step's contribution [BLOCK_KW, BLOCK_N] (fp32, summed over kw after the loop)."""
+def _step(q_ptr, s_ptr, o_ptr, x_row, kw, offs_n, mask_k, mask_n, stride_qk, stride_sg, GROUP: tl.constexpr,
+          ASM: tl.constexpr):
+    """One K step: per word the bias-corrected sum_j q_j x_j [BLOCK_KW, BLOCK_N], the scales and offsets
+    (fp32, same shape) and sum_j x_j [BLOCK_KW]."""
     m2 = mask_k[:, None] & mask_n[None, :]
     words = tl.load(q_ptr + kw[:, None] * stride_qk + offs_n[None, :], mask=m2, other=0).to(tl.uint32,
                                                                                               bitcast=True)
@@ -107,24 +115,29 @@ def _step(q_ptr, s_ptr, o_ptr, x_row, kw, offs_n, mask_k, mask_n, stride_qk, str
     s = tl.load(s_ptr + sp, mask=m2, other=0.0).to(tl.float32)
     o = tl.load(o_ptr + sp, mask=m2, other=0.0).to(tl.float32)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, kw, mask_k)
-    a0, a1 = _pair(words, 15)
-    d = a0 * x0[:, None] + a1 * x1[:, None]
-    a2, a3 = _pair(words, 7)
-    d += a2 * x2[:, None] + a3 * x3[:, None]
-    a4, a5 = _pair(words, -1)
-    d += a4 * x4[:, None] + a5 * x5[:, None]
-    a6, a7 = _pair(words, -9)
-    d += a6 * x6[:, None] + a7 * x7[:, None]
     even = x0 + x2 + x4 + x6
     odd = x1 + x3 + x5 + x7
-    bias = 256.0 * even + 16.0 * odd
-    return s * (d - bias[:, None]) + o * (even + odd)[:, None]
+    # one FFMA per nibble: the chain starts from -bias (written as a sum of pairs it took 11 ops per word)
+    d = -(256.0 * even + 16.0 * odd)[:, None]
+    a0, a1 = _pair(words, 15, ASM)
+    d = d + a0 * x0[:, None]
+    d = d + a1 * x1[:, None]
+    a2, a3 = _pair(words, 7, ASM)
+    d = d + a2 * x2[:, None]
+    d = d + a3 * x3[:, None]
+    a4, a5 = _pair(words, -1, ASM)
+    d = d + a4 * x4[:, None]
+    d = d + a5 * x5[:, None]
+    a6, a7 = _pair(words, -9, ASM)
+    d = d + a6 * x6[:, None]
+    d = d + a7 * x7[:, None]
+    return d, s, o, even + odd
 
 
 @triton.jit
 def _kn_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, ws_ptr, lock_ptr, M, N, KW, stride_xm, stride_qk,
                     stride_sg, stride_ym, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                    STEPS: tl.constexpr, SPLIT_K: tl.constexpr):
+                    STEPS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr):
     row = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -135,7 +148,10 @@ def _kn_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K
     for i in range(split * STEPS, split * STEPS + STEPS):  # the host sized SPLIT_K x STEPS to cover K
         kw = i * BLOCK_KW + tl.arange(0, BLOCK_KW)
         mask_k = kw < KW  # along kw only: the 16-byte loads along N stay vectorized
-        acc += _step(q_ptr, s_ptr, o_ptr, x_row, kw, offs_n, mask_k, mask_n, stride_qk, stride_sg, GROUP)
+        d, s, o, xs = _step(q_ptr, s_ptr, o_ptr, x_row, kw, offs_n, mask_k, mask_n, stride_qk, stride_sg, GROUP,
+                            ASM)
+        acc = acc + s * d  # two FFMAs per word
+        acc = acc + o * xs[:, None]
     y = tl.sum(acc, axis=0)
     if SPLIT_K == 1:
         tl.store(y_ptr + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
@@ -159,6 +175,7 @@ class KnConfig:
     split_k: int = 0  # 0: sized by the heuristic (about `waves` programs per SM)
     num_warps: int = 4
     waves: int = 4
+    asm: bool = True  # the one-LOP3 nibble (CUDA only; False: the & | pair, for A/B)
 
 
 def plan(n: int, kw: int, sms: int, cfg: KnConfig) -> tuple[int, int, int]:
@@ -191,5 +208,5 @@ def kn_gemv(x: torch.Tensor, w: KnWeight, cfg: KnConfig | None = None, sms: int 
     _kn_gemv_kernel[(m, tiles, splits)](
         x, w.q, w.scales, w.offsets, y, ws, w.locks, m, n, kw, x.stride(0), w.q.stride(0), w.scales.stride(0),
         y.stride(0), GROUP=w.group, BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, STEPS=steps, SPLIT_K=splits,
-        num_warps=cfg.num_warps, num_stages=1)
+        ASM=cfg.asm and x.is_cuda, num_warps=cfg.num_warps, num_stages=1)
     return y
