@@ -8,7 +8,8 @@
    every swept config; wq_linear's dispatch with the repacked copy (M = 1: kn, M = 16: the old path);
 2. per shape, 36 distinct weights in one CUDA graph (so they come from HBM): bf16, old, kn default, kn best
    of a small sweep; the packed-byte bandwidth of kn;
-3. the whole step: all 36 layers' four linears in one graph, M = 1 (and M = 4): bf16 vs old vs kn.
+3. the whole step: all 36 layers' four linears in one graph, M = 1 (and M = 4): bf16 vs old vs kn;
+4. the tensor-core kn_matmul (same copy) against the old dot path at M = 16 and prefill M = 2048.
 Targets (issue 15): W4A16 >= 2.8x bf16, Q4_K >= 2.5x; >= ~3 TB/s of packed bytes.
 
     OUT=dir python scripts/gpu_wq_kn_bench.py [--layers 36] [--no-sweep]
@@ -30,6 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from gpu_timing import rel_err, time_us  # noqa: E402
 
+from lamina.kernels.triton_wq_gemm_kn import kn_matmul  # noqa: E402
 from lamina.kernels.triton_wq_gemv_kn import KnConfig, KnWeight, kn_gemv, plan  # noqa: E402
 from lamina.kernels.triton_wq_matmul import wq_matmul  # noqa: E402
 from lamina.kernels.wq_matmul import dequantize, wq_linear  # noqa: E402
@@ -42,8 +44,7 @@ DEV = torch.device("cuda")
 LAYOUTS = {"int4-g128": 128, "int4-g32": 32}
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 SWEEP = [KnConfig(), KnConfig(waves=2), KnConfig(waves=8), KnConfig(block_n=128, block_kw=32),
-         KnConfig(block_n=128, block_kw=16), KnConfig(block_n=256, block_kw=32), KnConfig(block_n=512, block_kw=8),
-         KnConfig(asm=False)]
+         KnConfig(block_n=512, block_kw=8), KnConfig(num_warps=8), KnConfig(asm=False)]
 
 
 def weight(n: int, k: int, group: int, gen: torch.Generator):
@@ -74,13 +75,45 @@ def check(results: list) -> bool:
                                     "stable": same, "locks_clean": clean, "ok": good})
                     if not good:
                         print(f"FAIL {label} {name} m={m} {cfg}: err {err:.2e} stable={same} clean={clean}")
+                err = rel_err(kn_matmul(x, kn), ref)  # the tensor-core path on the same copy
+                ok &= err < 1e-2
+                results.append({"check": label + " kn_matmul", "shape": name, "m": m, "rel_err": err,
+                                "ok": err < 1e-2})
                 y = wq_linear(x, q, s, o, 4, kn=kn)  # M <= 4: kn; M = 16: the old kernel
                 err = rel_err(y, ref)
                 ok &= err < 1e-2
                 results.append({"check": label + " wq_linear", "shape": name, "m": m, "rel_err": err,
                                 "ok": err < 1e-2})
-            del kn, wref
+            x = torch.randn(2048, k, generator=gen, device=DEV).bfloat16()
+            err = rel_err(kn_matmul(x, kn), x.double() @ wref.t())
+            ok &= err < 1e-2
+            results.append({"check": label + " kn_matmul", "shape": name, "m": 2048, "rel_err": err, "ok": err < 1e-2})
+            if err >= 1e-2:
+                print(f"FAIL kn_matmul {label} {name} m=2048: err {err:.2e}")
+            kn = wref = None
     return ok
+
+
+def gemm(results: list) -> None:
+    """kn_matmul against the old dot path: M = 16 (36 weights per graph) and prefill M = 2048 (one weight)."""
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    print(f"{'layout':<10} {'shape':<8} {'M=16 old':>9} {'kn_mm':>9} {'M=2048 old TF/s':>16} {'kn_mm TF/s':>11}")
+    for label, group in LAYOUTS.items():
+        for nm, (n, k) in SHAPES.items():
+            qs = [weight(n, k, group, gen) for _ in range(OPTS.layers)]
+            kns = [KnWeight.build(*w) for w in qs]
+            x16 = torch.randn(16, k, device=DEV).bfloat16()
+            old16 = time_us(lambda i, qs=qs, x16=x16: wq_matmul(x16, *qs[i], 4), copies=OPTS.layers)
+            kn16 = time_us(lambda i, kns=kns, x16=x16: kn_matmul(x16, kns[i]), copies=OPTS.layers)
+            x = torch.randn(2048, k, device=DEV).bfloat16()
+            flop = 2 * 2048 * n * k
+            old = flop / time_us(lambda i, q=qs[0], x=x: wq_matmul(x, *q, 4)) / 1e6
+            kn = flop / time_us(lambda i, w=kns[0], x=x: kn_matmul(x, w)) / 1e6
+            results.append({"timing": "gemm", "layout": label, "shape": nm, "m16_old_us": old16, "m16_kn_us": kn16,
+                            "m2048_old_tflops": old, "m2048_kn_tflops": kn})
+            print(f"{label:<10} {nm:<8} {old16:9.1f} {kn16:9.1f} {old:16.0f} {kn:11.0f}")
+            qs = kns = None
+            torch.cuda.empty_cache()
 
 
 def per_shape(results: list, m: int, sweep: bool) -> dict:
@@ -173,6 +206,8 @@ def main() -> int:
             r = step[label]
             print(f"  {label}: old {r['old_us']:.0f} us = {r['old_x']:.2f}x, kn {r['kn_us']:.0f} us = "
                   f"{r['kn_x']:.2f}x, kn best {r['kn_best_us']:.0f} us = {r['kn_best_x']:.2f}x")
+    gemm(results)
+    dump(results)
     return 0
 
 

@@ -103,15 +103,18 @@ def _x8(x_row, kw, mask_k):
 
 
 @triton.jit
-def _step(q_ptr, s_ptr, o_ptr, x_row, kw, offs_n, mask_k, mask_n, stride_qk, stride_sg, GROUP: tl.constexpr,
-          ASM: tl.constexpr):
+def _step(q_ptr, s_ptr, o_ptr, x_row, kw0, offs_n, mask_n, KW, stride_qk, stride_sg, GROUP: tl.constexpr,
+          BLOCK_KW: tl.constexpr, ASM: tl.constexpr):
     """One K step: per word the bias-corrected sum_j q_j x_j [BLOCK_KW, BLOCK_N], the scales and offsets
-    (fp32, same shape) and sum_j x_j [BLOCK_KW]."""
+    (fp32, broadcastable) and sum_j x_j [BLOCK_KW]."""
+    kw = kw0 + tl.arange(0, BLOCK_KW)
+    mask_k = kw < KW  # along kw only: the 16-byte loads along N stay vectorized
     m2 = mask_k[:, None] & mask_n[None, :]
     words = tl.load(q_ptr + kw[:, None] * stride_qk + offs_n[None, :], mask=m2, other=0).to(tl.uint32,
                                                                                               bitcast=True)
-    g = (kw * 8) // GROUP
-    sp = g[:, None] * stride_sg + offs_n[None, :]
+    # [BLOCK_KW, BLOCK_N] scales even where a step lies in one group: a [BLOCK_N] load broadcast over kw led
+    # the layout pass to 4 columns x 8 kw per thread (twice the x loads, 255 registers: sm_90 SASS)
+    sp = ((kw * 8) // GROUP)[:, None] * stride_sg + offs_n[None, :]
     s = tl.load(s_ptr + sp, mask=m2, other=0.0).to(tl.float32)
     o = tl.load(o_ptr + sp, mask=m2, other=0.0).to(tl.float32)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, kw, mask_k)
@@ -137,7 +140,7 @@ def _step(q_ptr, s_ptr, o_ptr, x_row, kw, offs_n, mask_k, mask_n, stride_qk, str
 @triton.jit
 def _kn_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, ws_ptr, lock_ptr, M, N, KW, stride_xm, stride_qk,
                     stride_sg, stride_ym, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                    STEPS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr):
+                    STEPS: tl.constexpr, SPLIT_K, SPLIT_P2: tl.constexpr, ASM: tl.constexpr):
     row = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,15 +148,14 @@ def _kn_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K
     mask_n = offs_n < N
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    # STEPS is a constexpr: at 1 step (the o projection's 32 splits) the loop goes and so do ~80 registers
     for i in range(split * STEPS, split * STEPS + STEPS):  # the host sized SPLIT_K x STEPS to cover K
-        kw = i * BLOCK_KW + tl.arange(0, BLOCK_KW)
-        mask_k = kw < KW  # along kw only: the 16-byte loads along N stay vectorized
-        d, s, o, xs = _step(q_ptr, s_ptr, o_ptr, x_row, kw, offs_n, mask_k, mask_n, stride_qk, stride_sg, GROUP,
-                            ASM)
+        d, s, o, xs = _step(q_ptr, s_ptr, o_ptr, x_row, i * BLOCK_KW, offs_n, mask_n, KW, stride_qk, stride_sg,
+                            GROUP, BLOCK_KW, ASM)
         acc = acc + s * d  # two FFMAs per word
         acc = acc + o * xs[:, None]
     y = tl.sum(acc, axis=0)
-    if SPLIT_K == 1:
+    if SPLIT_P2 == 1:  # one split
         tl.store(y_ptr + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
     else:
         slot = (row * tl.num_programs(1) + tile) * SPLIT_K
@@ -161,9 +163,11 @@ def _kn_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K
         tl.debug_barrier()  # every thread's partial is written before the count is released
         done = tl.atomic_add(lock_ptr + row * tl.num_programs(1) + tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:  # the last split of this tile: sum the partials in split order
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for j in range(SPLIT_K):
-                total += tl.load(ws_ptr + (slot + j) * BLOCK_N + tl.arange(0, BLOCK_N), cache_modifier=".cg")
+            # one [SPLIT_P2, BLOCK_N] load (all partials in flight at once, not a loop of dependent waits)
+            offs_j = tl.arange(0, SPLIT_P2)
+            parts = tl.load(ws_ptr + (slot + offs_j)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :],
+                            mask=(offs_j < SPLIT_K)[:, None], other=0.0, cache_modifier=".cg")
+            total = tl.sum(parts, axis=0)
             tl.store(y_ptr + row * stride_ym + offs_n, total.to(y_ptr.dtype.element_ty), mask=mask_n)
             tl.atomic_xchg(lock_ptr + row * tl.num_programs(1) + tile, 0)
 
@@ -208,5 +212,5 @@ def kn_gemv(x: torch.Tensor, w: KnWeight, cfg: KnConfig | None = None, sms: int 
     _kn_gemv_kernel[(m, tiles, splits)](
         x, w.q, w.scales, w.offsets, y, ws, w.locks, m, n, kw, x.stride(0), w.q.stride(0), w.scales.stride(0),
         y.stride(0), GROUP=w.group, BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, STEPS=steps, SPLIT_K=splits,
-        ASM=cfg.asm and x.is_cuda, num_warps=cfg.num_warps, num_stages=1)
+        SPLIT_P2=triton.next_power_of_2(splits), ASM=cfg.asm and x.is_cuda, num_warps=cfg.num_warps, num_stages=1)
     return y

@@ -57,3 +57,22 @@ def test_kn_refuses_bad_shapes():
     q = torch.zeros(8, 6, dtype=torch.uint8)  # K = 12: not whole words
     with pytest.raises(ValueError, match="K % 8"):
         KnWeight.build(q, torch.ones(8, 1).half(), torch.zeros(8, 1).half())
+
+
+@pytest.mark.parametrize("m,n,k,group,sym", [(3, 41, 256, 32, False), (16, 25, 384, 128, True),
+                                              (37, 33, 256, 128, False)])
+def test_kn_matmul_matches_reference(m, n, k, group, sym):
+    """The tensor-core path on the same layout (fp16 / fp32: the interpreter's bf16 dots read raw bits)."""
+    from lamina.kernels.triton_wq_gemm_kn import kn_matmul
+    from lamina.kernels.triton_wq_gemv_kn import KnWeight
+
+    gen = torch.Generator().manual_seed(m + n + k + group)
+    qweight, scales, offsets = _weight(n, k, group, sym, gen)
+    kn = KnWeight.build(qweight.to(DEV), scales.to(DEV), offsets.to(DEV))
+    x = torch.randn(m, k, generator=gen)
+    ref = x.double() @ dequantize(qweight, scales, offsets, 4).double().t()
+    for dtype in (torch.float16, torch.float32):
+        for block_kw in (16, 32):  # 32 on K = 384: a ragged last step
+            out = kn_matmul(x.to(DEV, dtype), kn, block_n=32, block_kw=block_kw)
+            assert out.dtype == dtype and out.shape == (m, n)
+            assert rel_err(out, ref) < TOL[dtype] * 3, (dtype, block_kw)
