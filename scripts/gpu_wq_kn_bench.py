@@ -47,7 +47,7 @@ DEV = torch.device("cpu" if OPTS.interpret else "cuda")
 DTYPE = torch.float16 if OPTS.interpret else torch.bfloat16  # the interpreter's bf16 dots read raw bits
 LAYOUTS = {"int4-g128": 128, "int4-g32": 32}
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-SWEEP = [KnConfig(), KnConfig(waves=2), KnConfig(waves=8), KnConfig(block_n=128, block_kw=32),
+SWEEP = [KnConfig(), KnConfig(waves=2), KnConfig(waves=3), KnConfig(waves=8), KnConfig(block_n=128, block_kw=32),
          KnConfig(block_n=512, block_kw=8), KnConfig(num_warps=8), KnConfig(asm=False)]
 if OPTS.interpret:
     SHAPES = {"a": (48, 256), "b": (40, 768)}

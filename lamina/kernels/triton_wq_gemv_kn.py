@@ -188,7 +188,8 @@ def plan(n: int, kw: int, sms: int, cfg: KnConfig) -> tuple[int, int, int]:
     block_kw = min(cfg.block_kw, triton.next_power_of_2(kw))
     steps = triton.cdiv(kw, block_kw)
     tiles = triton.cdiv(n, cfg.block_n)
-    want = cfg.split_k or max(1, min(steps, triton.cdiv(cfg.waves * sms, tiles)))
+    # floor: a multi-step program holds ~165 registers (3 per SM), so rounding up can spill into a tail wave
+    want = cfg.split_k or max(1, min(steps, cfg.waves * sms // tiles))
     per = triton.cdiv(steps, want)
     return block_kw, per, triton.cdiv(steps, per)
 
