@@ -15,6 +15,7 @@ CPU (`CpuInt4Pack`, prepared once after loading), and dequantize + F.linear othe
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,18 +94,39 @@ def cpu_int4_ok(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> bool:
     return group in CPU_INT4_GROUPS and k % group == 0 and hasattr(torch, "_weight_int4pack_mm_for_cpu")
 
 
+# Rows of x up to which the repacked GEMV (kn) serves a 4-bit weight that has one: it launches one program
+# row per x row, re-reading the tile from L2, so above a few rows the tensor-core path is the better bet.
+KN_MAX_ROWS = 4
+
+
+def kn_wanted(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> bool:
+    """Whether the format's finish_loading builds the repacked decode-GEMV copy: LAMINA_WQ_GEMV=repack, a
+    4-bit CUDA weight, K whole words and groups of a multiple of 8 columns (GPTQ/AWQ/CT g128, GGUF g32)."""
+    if os.environ.get("LAMINA_WQ_GEMV", "") != "repack" or bits != 4 or not qweight.is_cuda:
+        return False
+    groups, k = scales.shape[1], qweight.shape[1] * 2
+    return groups > 0 and k % 8 == 0 and k % groups == 0 and (k // groups) % 8 == 0
+
+
 def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
               bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
-              cpu_pack: CpuInt4Pack | None = None, cpu_dense: torch.Tensor | None = None) -> torch.Tensor:
+              cpu_pack: CpuInt4Pack | None = None, cpu_dense: torch.Tensor | None = None,
+              kn=None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype.
 
     perm: input-column order of the stored weight (act-order GPTQ stores columns sorted by group; the
     activations are gathered to match). cpu_pack / cpu_dense: prepared CPU forms (see the format's
-    finish_loading); without them the CPU dequantizes on every call (the reference)."""
+    finish_loading); without them the CPU dequantizes on every call (the reference). kn: the repacked
+    decode-GEMV copy (triton_wq_gemv_kn.KnWeight), used for M <= KN_MAX_ROWS."""
     if perm is not None:
         x = x.index_select(-1, perm)
     x2 = x.reshape(-1, x.shape[-1])
-    if use_triton(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
+    if kn is not None and x2.shape[0] <= KN_MAX_ROWS and use_triton(x2) and \
+            x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from lamina.kernels.triton_wq_gemv_kn import kn_gemv
+
+        y = kn_gemv(x2, kn)
+    elif use_triton(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from lamina.kernels.triton_wq_matmul import wq_matmul
 
         y = wq_matmul(x2, qweight, scales, offsets, bits)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from lamina.kernels.wq_matmul import CpuInt4Pack, cpu_int4_ok, dequantize, dequantize_rows, wq_linear
+from lamina.kernels.wq_matmul import CpuInt4Pack, cpu_int4_ok, dequantize, dequantize_rows, kn_wanted, wq_linear
 from lamina.models.weight_formats.base import WeightFormat, copy_checked, new_param, register_param
 
 SCALE_DTYPE = torch.float16
@@ -105,10 +105,18 @@ class GroupQuantFormat(WeightFormat):
         in torch) a bf16 copy, which reads half the bytes of fp32 and runs at twice its speed here."""
         layer.__dict__.pop("_cpu_pack", None)
         layer.__dict__.pop("_cpu_dense", None)
+        layer.__dict__.pop("_kn", None)
         from lamina.models.layers.linear import Embedding
 
-        if layer.weight.is_cuda or layer.weight.is_meta or isinstance(layer, Embedding):
+        if layer.weight.is_meta or isinstance(layer, Embedding):
             return  # an embedding reads rows only (a tied lm_head is a Linear with its own CPU form)
+        if layer.weight.is_cuda:
+            if kn_wanted(layer.weight, layer.weight_scales, self.bits):
+                # the decode GEMV's repacked copy (+0.5 byte per weight: see triton_wq_gemv_kn.py)
+                from lamina.kernels.triton_wq_gemv_kn import KnWeight
+
+                layer.__dict__["_kn"] = KnWeight.build(layer.weight, layer.weight_scales, layer.weight_offsets)
+            return
         if os.environ.get("LAMINA_CPU_QUANT_FORMS", "1") == "0":
             return  # the fp32 reference (dequantize per call): tests that need fp32 compute, not bf16's
         if cpu_int4_ok(layer.weight, layer.weight_scales, self.bits):
@@ -124,7 +132,7 @@ class GroupQuantFormat(WeightFormat):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         d = layer.__dict__
         return wq_linear(x, layer.weight, layer.weight_scales, layer.weight_offsets, self.bits, layer.bias,
-                         cpu_pack=d.get("_cpu_pack"), cpu_dense=d.get("_cpu_dense"))
+                         cpu_pack=d.get("_cpu_pack"), cpu_dense=d.get("_cpu_dense"), kn=d.get("_kn"))
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(layer.weight, layer.weight_scales, layer.weight_offsets, self.bits, ids, self.dtype)

@@ -170,7 +170,8 @@ class NativeInt4Format(GroupQuantFormat):
 
         d = layer.__dict__
         return wq_linear(x, layer.weight, layer.weight_scales, layer.weight_offsets, self.bits, layer.bias,
-                         perm=d.get("_perm"), cpu_pack=d.get("_cpu_pack"), cpu_dense=d.get("_cpu_dense"))
+                         perm=d.get("_perm"), cpu_pack=d.get("_cpu_pack"), cpu_dense=d.get("_cpu_dense"),
+                         kn=d.get("_kn"))
 
     def dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The dense [N, K] weight in the checkpoint's column order."""
