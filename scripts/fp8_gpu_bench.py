@@ -70,9 +70,11 @@ RESULT: dict = {"peaks": {}, "gemv": [], "prefill": [], "kv": [], "gemv_sweep": 
 # The --sweep GEMV configs at M = 1 (fma tiles wider than a 128-row scale block are skipped for block scales).
 GEMV_SWEEP = [GemvConfig("dot", 16), GemvConfig("dot", 64), GemvConfig("dot16", 16), GemvConfig("dot16", 64),
               GemvConfig("fma", 8, 512, 4), GemvConfig("fma", 16, 512, 4), GemvConfig("fma", 8, 1024, 4),
-              GemvConfig("fma", 16, 1024, 8), GemvConfig("fma", 8, 2048, 8), GemvConfig("fma", 32, 256, 8)]
+              GemvConfig("fma", 16, 1024, 8), GemvConfig("fma", 8, 2048, 8), GemvConfig("fma", 32, 256, 8),
+              GemvConfig("fmasum", 8, 512, 4), GemvConfig("fmasum", 8, 1024, 4), GemvConfig("fmasum", 16, 512, 8)]
 GEMV_SWEEP_M4 = [GemvConfig("dot", 16), GemvConfig("dot16", 16), GemvConfig("fma", 8, 256, 4),
-                 GemvConfig("fma", 16, 256, 8), GemvConfig("fma", 8, 512, 8)]
+                 GemvConfig("fma", 16, 256, 8), GemvConfig("fma", 8, 512, 8), GemvConfig("fmasum", 8, 512, 4),
+                 GemvConfig("fmasum", 16, 512, 8)]
 SWEEP_SECONDS = 75.0  # the sweep stops timing new configs past this (the whole run must stay under 120 s)
 LAYERS = 36  # Qwen3-8B: the decode-step estimate is 36 x the four projections' M = 1 times
 # Qwen3-8B projections (N, K): fused q|k|v, o, fused gate|up, down.
@@ -147,7 +149,7 @@ def sweep_gemv(name, x, q, s, block, ref, qs, copies) -> dict:
     cold weights (GPU)."""
     out = {}
     for c in GEMV_SWEEP if x.shape[0] == 1 else GEMV_SWEEP_M4:
-        if c.variant == "fma" and block is not None and c.block_n > block[0]:
+        if c.variant in ("fma", "fmasum") and block is not None and c.block_n > block[0]:
             continue
         if BENCH and time.monotonic() - START > SWEEP_SECONDS:
             out[label(c)] = "skipped: past SWEEP_SECONDS"

@@ -28,7 +28,10 @@ import triton.language as tl
 
 # The interpreter's bf16/fp16 dots are wrong (raw bits): there the tiles are multiplied in fp32 instead.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
-VARIANTS = ("dot", "dot16", "fma")
+VARIANTS = ("dot", "dot16", "fma", "fmasum")
+# LAMINA_FP8_GEMV=fmasum makes "fmasum" (2-D accumulator, reduced over K every step) the M <= 16 default;
+# unset: the measured defaults below. Not yet timed on the H200.
+GEMV_ENV = "LAMINA_FP8_GEMV"
 
 
 @triton.jit
@@ -65,7 +68,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
 @triton.jit
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
                          stride_ym, group_n, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
-                         GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, SUM_EACH: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -76,7 +79,11 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, 
     w_rows = w_ptr + offs_n[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     s_row = s_ptr + ((pid * BLOCK_N) // group_n) * stride_sn  # block scales: BLOCK_N divides bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # SUM_EACH: reduce over K every step into [BLOCK_M, BLOCK_N] (registers no longer grow with M x BLOCK_K)
+    if SUM_EACH:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         if EVEN_K:  # no mask along K: the loads stay 16-byte vectors
@@ -89,8 +96,14 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, 
         if not ROW_SCALE:
             # GROUP_K is a constexpr power of two: a shift per column, not an integer division
             x = x * tl.load(s_row + (kk // GROUP_K) * stride_sk, mask=kk < K, other=0.0)[None, :]
-        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-    y = tl.sum(acc, axis=2)
+        if SUM_EACH:
+            acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+        else:
+            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+    if SUM_EACH:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=2)
     if ROW_SCALE:
         y = y * tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -135,6 +148,9 @@ def default_config(m: int, n: int, k: int, block: tuple[int, int] | None, device
     against bf16's 15.9 / 13.0 / 51.0 / 31.9), while the first guess (16 KB tiles at 8 warps) lost 5-25% and
     the tensor-core "dot" streamed at 0.9-2.2 TB/s. At M = 4 the fp32 [M, BLOCK_N, BLOCK_K] accumulator makes
     "fma" lose to "dot" on qkv and gate_up, and neither beats bf16 there: "dot" from M = 3 on."""
+    if os.environ.get(GEMV_ENV) == "fmasum":
+        bn = 8 if block is None else min(8, block[0])
+        return GemvConfig("fmasum", bn, 512, 4)
     if m > 2:
         return GemvConfig("dot", _block_n(n, device))
     bn = 8 if block is None else min(8, block[0])
@@ -167,13 +183,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     common = (x, weight, scale, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), ssn, ssk,
               y.stride(0), group_n)
     bn = config.block_n
-    if config.variant == "fma":
+    if config.variant in ("fma", "fmasum"):
         if block is not None and (bn > block[0] or block[0] % bn):
             raise ValueError(f"fma tiles of {bn} rows must divide the scale block's {block[0]} rows")
         bk = config.block_k or 256
         _fp8_gemv_fma_kernel[(triton.cdiv(n, bn),)](
             *common, HAS_BIAS=bias is not None, ROW_SCALE=block is None, GROUP_K=1 if block is None else block[1],
-            EVEN_K=k % bk == 0,
+            EVEN_K=k % bk == 0, SUM_EACH=config.variant == "fmasum",
             BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps)
         return y
     bk = config.block_k or 128

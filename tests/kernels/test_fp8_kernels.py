@@ -42,7 +42,8 @@ def test_fp8_gemv_matches_dequantized_matmul(m, shape):
         bias = torch.randn(n, generator=g).to(dtype).to(DEV) if has_bias else None
         ref = x.double() @ dequantize(q, s, block).double().T + (bias.double() if has_bias else 0)
         configs = [None] + [GemvConfig("dot", bn) for bn in (16, 32)] + [GemvConfig("dot16", 16)] + [
-            GemvConfig("fma", bn, bk, 4) for bn, bk in ((8, 64), (16, 128)) if not block or bn <= block[0]]
+            GemvConfig(v, bn, bk, 4) for bn, bk in ((8, 64), (16, 128)) for v in ("fma", "fmasum")
+            if not block or bn <= block[0]]
         for config in configs:  # the heuristic's pick, then every variant the GPU sweep times
             y = fp8_gemv(x, q, s, block, bias, config=config)
             assert y.dtype == dtype and y.shape == (m, n)
