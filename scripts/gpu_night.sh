@@ -24,8 +24,8 @@ sel attention && stage attention ${ATT_S:-90} bash -c 'python3 -m pytest -q -p n
 sel spec && stage spec ${SPEC_S:-130} python3 scripts/gpu_spec_bench.py --only ${SPEC_ONLY:-check_hybrid} --budget-s $(( ${SPEC_S:-130} - 10 ))
 sel structured && stage structured ${ST_S:-270} bash scripts/gpu_vllm.sh structured
 # Issue 16 (struct6): plain and schema TPOT interleaved, 3 repeats at c = 1 and 64, default fill vs the opt-in
-# accepts-on-the-loop path, with the phases (gpu_vllm.sh structured says what each variant is).
-sel struct6 && stage struct6 300 env FILLS="${ST6_FILLS:-default loop}" REPEATS=${ST6_REPEATS:-3} \
+# accepts-on-the-loop path switched inside one server, with the phases (gpu_vllm.sh structured says more).
+sel struct6 && stage struct6 300 env FILLS=${ST6_FILLS:-default,loop} REPEATS=${ST6_REPEATS:-3} \
   bash scripts/gpu_vllm.sh structured
 sel families && stage families ${FAM_S:-300} python3 scripts/gpu_families_bench.py --budget-s $(( ${FAM_S:-300} - 10 )) \
   ${FAM_ONLY:+--only $FAM_ONLY}

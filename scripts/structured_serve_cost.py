@@ -40,6 +40,11 @@ from collections import defaultdict
 from pathlib import Path
 
 SCHEMA = "scripts/schemas/bench_items.json"
+# Fill settings switched inside one server between runs (MaskFiller attributes; structured/fill.py): default is
+# the server's own (its environment), loop the opt-in accepts-on-the-loop path, min1 even one row in the
+# background, nofill the fill on the step loop (no overlap).
+VARIANTS = {"default": {}, "loop": {"accept_on_loop": True, "wait_start": False, "switch_us": 200.0, "min_rows": 1},
+            "min1": {"min_rows": 1}, "nofill": {"threads": 0}}
 
 
 # ---- the core side (runs inside the spawned engine core process) ----------------------------------------
@@ -152,6 +157,28 @@ def _install(path: str, sync: bool) -> None:
         return c
 
     manager.StructuredOutputManager.constrains = staticmethod(constrains_rec)
+    managers, originals = [], {}
+    init = manager.StructuredOutputManager.__init__
+
+    def init_rec(self, *a, **k):
+        init(self, *a, **k)
+        managers.append(self)
+
+    manager.StructuredOutputManager.__init__ = init_rec
+    control = path + ".variant"
+
+    def apply_variant() -> None:  # the driver's choice for the next run (VARIANTS), on the first step after idle
+        try:
+            attrs = json.loads(Path(control).read_text())
+        except (OSError, ValueError):
+            return
+        for m in managers:
+            f = m._filler
+            base = originals.setdefault(id(f), {k: getattr(f, k) for k in ("threads", "min_rows", "wait_start",
+                                                                            "accept_on_loop", "switch_us")})
+            for k, v in {**base, **attrs}.items():
+                setattr(f, k, v)
+
     step = eng.step
 
     last = [None]
@@ -160,6 +187,8 @@ def _install(path: str, sync: bool) -> None:
         s = time.perf_counter()
         if last[0] is not None and s - last[0] < 1.0:  # step start to step start, idle gaps left out
             t.cur["period"] += s - last[0]
+        if last[0] is None or s - last[0] > 0.2:
+            apply_variant()
         last[0] = s
         try:
             return step(self)
@@ -319,6 +348,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each side per concurrency, plain and schema interleaved (order alternating)")
     ap.add_argument("--label", default="", help="a name for this server's settings in the table")
+    ap.add_argument("--variants", default="default", help=f"fill settings interleaved in one server: {list(VARIANTS)}")
     ap.add_argument("--result-file", default=None)
     if sys.argv[1:2] == ["--child"]:  # the server process (the rest is `lamina serve`'s command line)
         sys.exit(_serve_child(sys.argv[4:], sys.argv[2], sys.argv[3] == "1"))
@@ -342,14 +372,21 @@ def main() -> None:
                     sys.exit("the server exited; see /tmp/lamina_struct_serve.log")
                 time.sleep(0.5)
         results = []
+        variants = args.variants.split(",")
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            sys.exit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
         if args.repeats > 1:  # not counted: the first run after the start pays a collector pass of ~1.3 s
             _one_run(args, srv, timing, concs[0], None)  # (gc ~800 us/step over the first c=1 run, 2026-12-02)
         for c in concs:
-            for rep in range(args.repeats):  # plain, schema, then schema, plain: drift in the host hits both
-                order = (None, args.schema) if rep % 2 == 0 else (args.schema, None)
-                for schema in order:
-                    results.append({"concurrency": c, "repeat": rep, **_one_run(args, srv, timing, c, schema)})
-        _table(results, args.label)
+            for rep in range(args.repeats):  # order alternating: drift in the host hits every side alike
+                for variant in (variants if rep % 2 == 0 else variants[::-1]):
+                    Path(timing + ".variant").write_text(json.dumps(VARIANTS[variant]))
+                    for schema in ((None, args.schema) if rep % 2 == 0 else (args.schema, None)):
+                        r = _one_run(args, srv, timing, c, schema, variant)
+                        results.append({"concurrency": c, "repeat": rep, "variant": variant, **r})
+        for variant in variants:
+            _table([r for r in results if r["variant"] == variant], " ".join(filter(None, (args.label, variant))))
         req = _read(timing).get("requests", {})
         print("per request:", {k: round(v * 1e3, 3) if k.endswith("_s") else int(v) for k, v in req.items()},
               "(times in ms, totals)")
@@ -360,7 +397,7 @@ def main() -> None:
         srv.wait(30)
 
 
-def _one_run(args, srv, timing: str, c: int, schema: str | None) -> dict:
+def _one_run(args, srv, timing: str, c: int, schema: str | None, variant: str = "default") -> dict:
     """One `lamina bench serve` run against the server: its TPOT p50 and the core's phases over it."""
     tag = "schema" if schema else "plain"
     out = f"/tmp/lamina_struct_bench_{tag}_{c}.json"
@@ -377,7 +414,7 @@ def _one_run(args, srv, timing: str, c: int, schema: str | None) -> dict:
     tokens = sum(r.get("total_output_tokens", 0) for r in _read(out).get("runs") or [_read(out)])
     if tokens:  # the core's CPU time per output token (the fill's threads included)
         cpu["core_ms_per_token"] = cpu["core"] / tokens * 1e3
-    return {"side": tag, **_report(f"c={c} {tag}", _diff(_read(timing), before), _tpot(out), cpu)}
+    return {"side": tag, **_report(f"c={c} {tag} {variant}", _diff(_read(timing), before), _tpot(out), cpu)}
 
 
 def _table(results: list[dict], label: str) -> None:
