@@ -245,3 +245,34 @@ def test_overlapped_steps_do_overlap(engines, monkeypatch):
                                                                      structured_outputs=SO(json=SCHEMA)))
     fills = [i for i, o in enumerate(order) if o[0] == "fill"]
     assert len(fills) > 5 and all(order[i] == ("fill", True) and order[i + 1] == ("forward",) for i in fills)
+
+
+def test_decode_fast_path_equals_general_path(monkeypatch):
+    """start_bitmask's one-loop path (every row one live grammar, nothing else) gives the general path's mask,
+    and sampled_rows lays rows out as before (0, 1 and 3 sampled rows)."""
+    pytest.importorskip("xgrammar")
+    from lamina.structured import manager as mg
+    from lamina.structured.state import GrammarState
+
+    item = [SimpleNamespace(seq=s, num_sampled=n) for s, n in (("a", 1), ("b", 0), ("c", 3), ("d", 1))]
+    assert mg.sampled_rows(item) == (["a", "c", "c", "c", "d"], [0, 0, 1, 2, 0])
+    tok = _tokenizer()
+    mgr = mg.StructuredOutputManager(tok, len(tok), [tok.eos_token_id], torch.device("cpu"))
+    compiled = mgr.compiler.compile(SO(json=SCHEMA))
+    masks = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(mg, "_decode_states", lambda rows, offsets: None)
+        seqs = []
+        for text in ['{"name": "a', '{"name": "bc", "age": 4', ""] * 4:
+            st = GrammarState(compiled)
+            for t in tok(text, add_special_tokens=False).input_ids:
+                st.push(t)
+            seqs.append(SimpleNamespace(grammar=st, finished=False, draft_token_ids=[], params=SamplingParams(),
+                                        output_token_ids=[]))
+        assert (mg._decode_states(seqs, [0] * len(seqs)) is not None) == fast
+        mask = mgr.start_bitmask(seqs, [0] * len(seqs), background=True).result()
+        assert mask.rows is None and mask.host_rows == list(range(len(seqs)))
+        masks.append(mask.bitmask.clone())
+    assert torch.equal(masks[0], masks[1])
+    mgr.close()
