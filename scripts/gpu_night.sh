@@ -23,6 +23,10 @@ sel() { [ ${#all[@]} -eq 0 ] || [[ " ${all[*]} " == *" $1 "* ]]; }
 sel attention && stage attention ${ATT_S:-90} bash -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py tests/kernels/test_triton_graph_attention.py tests/kernels/test_attention_softcap.py 2>&1 | tail -3; python3 scripts/gpu_attention_bench.py --out "$OUT"'
 sel spec && stage spec ${SPEC_S:-130} python3 scripts/gpu_spec_bench.py --only ${SPEC_ONLY:-check_hybrid} --budget-s $(( ${SPEC_S:-130} - 10 ))
 sel structured && stage structured ${ST_S:-270} bash scripts/gpu_vllm.sh structured
+# Issue 16 (struct6): plain and schema TPOT interleaved, 3 repeats at c = 1 and 64, default fill vs the opt-in
+# accepts-on-the-loop path switched inside one server, with the phases (gpu_vllm.sh structured says more).
+sel struct6 && stage struct6 300 env FILLS=${ST6_FILLS:-default,loop} REPEATS=${ST6_REPEATS:-3} \
+  bash scripts/gpu_vllm.sh structured
 sel families && stage families ${FAM_S:-300} python3 scripts/gpu_families_bench.py --budget-s $(( ${FAM_S:-300} - 10 )) \
   ${FAM_ONLY:+--only $FAM_ONLY}
 # Issue 15's kernel targets (batch-1 decode FP8 / W4A16 / Q4_K vs bf16, FP8 prefill MFU, FP8 KV attention,

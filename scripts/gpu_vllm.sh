@@ -84,21 +84,20 @@ serve)
   python3 -m lamina.cli bench serve --fake-server --fake-server-workers 4 --num-prompts 512 --input-len 512 \
     --output-len 256 --max-concurrency 256 --vocab-size 151936 --num-clients 4 --disable-tqdm \
     --result-file "$OUT/serve_client_ceiling.json" 2>&1 | tail -4 ;;
-structured)  # issue 16: the constrained step phase by phase on the real server path (lamina only, ~6 min)
+structured)  # issue 16: the constrained step phase by phase on the real server path (lamina only, ~4 min)
   ck=/tmp/ck_qwen3_0.6b; tok=/tmp/keep/.gpu/tok; [ -d .gpu/tok ] && tok=$PWD/.gpu/tok
   [ -d $ck ] || python3 -m lamina.cli bench save-random qwen3-0.6b $ck --tokenizer "$tok" > /dev/null
   # The sampler's bitmask kernel (Triton, compiled) against the torch reference first.
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_bitmask_kernel.py 2>&1 \
     | tee "$OUT/bitmask_kernel_tests.log" | tail -2
-  # The overlapped fill (default threads), then the same with the fill on the step loop's thread
-  # (LAMINA_GRAMMAR_FILL_THREADS=0: no overlap), so one call gives both; mask_result/fill_wait against
-  # fill (the batch fill) say how much of the fill the batch build and the forward hid.
-  # min1: every constrained step's fill in the background, even one row (LAMINA_GRAMMAR_FILL_MIN_ROWS=1).
-  for fill in ${FILLS:-default 0 min1}; do  # FILLS=default: one variant (~90 s)
-    env $([ $fill = 0 ] && echo LAMINA_GRAMMAR_FILL_THREADS=0) $([ $fill = min1 ] && echo LAMINA_GRAMMAR_FILL_MIN_ROWS=1) python3 scripts/structured_serve_cost.py --model $ck \
-      --device cuda --input-len 512 --output-len 256 --tokenizer "$tok" \
-      --result-file "$OUT/structured_phases_fill_$fill.json" 2>&1 | tail -8
-    cp /tmp/lamina_struct_serve.log "$OUT/structured_serve_fill_$fill.log" 2>/dev/null
-  done ;;
+  # One server; the fill variants (structured_serve_cost.py VARIANTS: default = the server's own settings;
+  # loop = the opt-in path: the loop takes the tokens, no wait for the worker, switch interval 200 us while a
+  # fill is pending, even one row in the background; min1; nofill) switched between runs, and plain and schema
+  # runs interleaved REPEATS times at c = 1 and 64 (order alternating, one uncounted run first); then per
+  # variant a TPOT table (median [min-max], overhead) and the phases. FILLS=default,loop REPEATS=3: ~4 min.
+  python3 scripts/structured_serve_cost.py --model $ck --device cuda --input-len 512 --output-len 256 \
+    --tokenizer "$tok" --repeats ${REPEATS:-3} --variants ${FILLS:-default,loop} \
+    --result-file "$OUT/structured_phases.json" 2>&1 | tee "$OUT/structured_runs.log" | grep -v "^c=" | tail -24
+  cp /tmp/lamina_struct_serve.log "$OUT/structured_serve.log" 2>/dev/null ;;
 *) echo "usage: scripts/gpu_vllm.sh stage N | install | offline | hybrid | serve | prefix | latency | structured"; exit 2 ;;
 esac

@@ -40,6 +40,11 @@ from collections import defaultdict
 from pathlib import Path
 
 SCHEMA = "scripts/schemas/bench_items.json"
+# Fill settings switched inside one server between runs (MaskFiller attributes; structured/fill.py): default is
+# the server's own (its environment), loop the opt-in accepts-on-the-loop path, min1 even one row in the
+# background, nofill the fill on the step loop (no overlap).
+VARIANTS = {"default": {}, "loop": {"accept_on_loop": True, "wait_start": False, "switch_us": 200.0, "min_rows": 1},
+            "min1": {"min_rows": 1}, "nofill": {"threads": 0}}
 
 
 # ---- the core side (runs inside the spawned engine core process) ----------------------------------------
@@ -111,7 +116,7 @@ def _install(path: str, sync: bool) -> None:
     import xgrammar as xg
 
     from lamina.engine import core_proc, engine, runner, sampler
-    from lamina.structured import bitmask, compiler, manager, state
+    from lamina.structured import bitmask, compiler, fill, manager, state
 
     t = _Timers(path, sync)
     eng = engine.LLMEngine
@@ -129,6 +134,10 @@ def _install(path: str, sync: bool) -> None:
     t.wrap(manager.StructuredOutputManager, "start_bitmask", "mask_start")
     t.wrap(getattr(manager, "PendingMask", None), "result", "mask_result")
     t.wrap(getattr(manager, "PendingFill", None), "wait", "fill_wait")
+    # Inside mask_start: the filler's start (the hand-off, with the wait for the worker's start by default) and
+    # the grammars taking their queued tokens (on the worker by default, on the loop with ACCEPT_ON_LOOP=1).
+    t.wrap(getattr(fill, "MaskFiller", None), "start", "filler_start")
+    t.wrap(fill, "advance_all", "accept_all")
     t.wrap(bitmask.BitmaskBuffers, "to_device", "h2d")
     t.wrap(bitmask.BitmaskBuffers, "host", "host_buf")
     t.wrap(getattr(xg, "BatchGrammarMatcher", None), "batch_fill_next_token_bitmask", "fill")
@@ -148,6 +157,28 @@ def _install(path: str, sync: bool) -> None:
         return c
 
     manager.StructuredOutputManager.constrains = staticmethod(constrains_rec)
+    managers, originals = [], {}
+    init = manager.StructuredOutputManager.__init__
+
+    def init_rec(self, *a, **k):
+        init(self, *a, **k)
+        managers.append(self)
+
+    manager.StructuredOutputManager.__init__ = init_rec
+    control = path + ".variant"
+
+    def apply_variant() -> None:  # the driver's choice for the next run (VARIANTS), on the first step after idle
+        try:
+            attrs = json.loads(Path(control).read_text())
+        except (OSError, ValueError):
+            return
+        for m in managers:
+            f = m._filler
+            base = originals.setdefault(id(f), {k: getattr(f, k) for k in ("threads", "min_rows", "wait_start",
+                                                                            "accept_on_loop", "switch_us")})
+            for k, v in {**base, **attrs}.items():
+                setattr(f, k, v)
+
     step = eng.step
 
     last = [None]
@@ -156,6 +187,8 @@ def _install(path: str, sync: bool) -> None:
         s = time.perf_counter()
         if last[0] is not None and s - last[0] < 1.0:  # step start to step start, idle gaps left out
             t.cur["period"] += s - last[0]
+        if last[0] is None or s - last[0] > 0.2:
+            apply_variant()
         last[0] = s
         try:
             return step(self)
@@ -289,7 +322,8 @@ def _report(label: str, steps: dict, tpot: float | None, cpu: dict) -> dict:
     n = agg["steps"]
     phases = {k: agg[k] / n * 1e6 for k in agg if not k.endswith("_n") and k != "steps"}
     order = ["period", "loop", "gc", "step", "prepare", "forward", "sample", "apply", "resolve", "accept",
-             "bitmask", "mask_start", "host_buf", "fill", "fill_row", "mask_result", "fill_wait", "h2d", "admit"]
+             "bitmask", "mask_start", "host_buf", "filler_start", "accept_all", "fill", "fill_row", "mask_result",
+             "fill_wait", "h2d", "admit"]
     shown = " ".join(f"{k} {phases[k]:.0f}" for k in order if k in phases)
     per_tok = f"; core cpu ms/output token {cpu['core_ms_per_token']:.2f}" if cpu.get("core_ms_per_token") else ""
     print(f"{label}: TPOT p50 {tpot if tpot is None else round(tpot, 2)} ms; {int(n)} steps of {key}; "
@@ -311,6 +345,10 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true")
     ap.add_argument("--serve-args", default="", help="extra `lamina serve` arguments")
     ap.add_argument("--vocab-size", type=int, default=151936, help="the random prompts' token range (the model's)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each side per concurrency, plain and schema interleaved (order alternating)")
+    ap.add_argument("--label", default="", help="a name for this server's settings in the table")
+    ap.add_argument("--variants", default="default", help=f"fill settings interleaved in one server: {list(VARIANTS)}")
     ap.add_argument("--result-file", default=None)
     if sys.argv[1:2] == ["--child"]:  # the server process (the rest is `lamina serve`'s command line)
         sys.exit(_serve_child(sys.argv[4:], sys.argv[2], sys.argv[3] == "1"))
@@ -334,26 +372,22 @@ def main() -> None:
                     sys.exit("the server exited; see /tmp/lamina_struct_serve.log")
                 time.sleep(0.5)
         results = []
+        variants = args.variants.split(",")
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            sys.exit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+        if args.repeats > 1:  # not counted: the first runs pay a collector pass of ~1.3 s (gc ~800 us/step over
+            for schema in (None, args.schema):  # the first c=1 run, 2026-12-02) and the grammar's compilation
+                _one_run(args, srv, timing, concs[0], schema)
         for c in concs:
-            for schema in (None, args.schema):
-                tag = "schema" if schema else "plain"
-                out = f"/tmp/lamina_struct_bench_{tag}_{c}.json"
-                before, t0 = _read(timing), time.time()
-                core = (_children(srv.pid) or [0])[-1]
-                cpu0 = {"server": _cpu_seconds(srv.pid), "core": _cpu_seconds(core)}
-                cmd = [sys.executable, "-m", "lamina.cli", "bench", "serve", "--base-url",
-                       f"http://127.0.0.1:{args.port}", "--num-prompts", str(max(4, args.prompts_per_client * c)),
-                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                       "--max-concurrency", str(c), "--vocab-size", str(args.vocab_size), "--num-warmups", "2",
-                       "--disable-tqdm", "--result-file", out] + (["--json-schema", schema] if schema else [])
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                _wait_idle(timing, t0)
-                cpu = {"server": _cpu_seconds(srv.pid) - cpu0["server"], "core": _cpu_seconds(core) - cpu0["core"]}
-                tpot = _tpot(out)
-                tokens = sum(r.get("total_output_tokens", 0) for r in _read(out).get("runs") or [_read(out)])
-                if tokens:  # the core's CPU time per output token (the fill's threads included)
-                    cpu["core_ms_per_token"] = cpu["core"] / tokens * 1e3
-                results.append({"concurrency": c, **_report(f"c={c} {tag}", _diff(_read(timing), before), tpot, cpu)})
+            for rep in range(args.repeats):  # order alternating: drift in the host hits every side alike
+                for variant in (variants if rep % 2 == 0 else variants[::-1]):
+                    Path(timing + ".variant").write_text(json.dumps(VARIANTS[variant]))
+                    for schema in ((None, args.schema) if rep % 2 == 0 else (args.schema, None)):
+                        r = _one_run(args, srv, timing, c, schema, variant)
+                        results.append({"concurrency": c, "repeat": rep, "variant": variant, **r})
+        for variant in variants:
+            _table([r for r in results if r["variant"] == variant], " ".join(filter(None, (args.label, variant))))
         req = _read(timing).get("requests", {})
         print("per request:", {k: round(v * 1e3, 3) if k.endswith("_s") else int(v) for k, v in req.items()},
               "(times in ms, totals)")
@@ -362,6 +396,58 @@ def main() -> None:
     finally:
         srv.terminate()
         srv.wait(30)
+
+
+def _one_run(args, srv, timing: str, c: int, schema: str | None, variant: str = "default") -> dict:
+    """One `lamina bench serve` run against the server: its TPOT p50 and the core's phases over it."""
+    tag = "schema" if schema else "plain"
+    out = f"/tmp/lamina_struct_bench_{tag}_{c}.json"
+    before, t0 = _read(timing), time.time()
+    core = (_children(srv.pid) or [0])[-1]
+    cpu0 = {"server": _cpu_seconds(srv.pid), "core": _cpu_seconds(core)}
+    cmd = [sys.executable, "-m", "lamina.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{args.port}",
+           "--num-prompts", str(max(4, args.prompts_per_client * c)), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--max-concurrency", str(c), "--vocab-size", str(args.vocab_size),
+           "--num-warmups", "2", "--disable-tqdm", "--result-file", out] + (["--json-schema", schema] if schema else [])
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    _wait_idle(timing, t0)
+    cpu = {"server": _cpu_seconds(srv.pid) - cpu0["server"], "core": _cpu_seconds(core) - cpu0["core"]}
+    tokens = sum(r.get("total_output_tokens", 0) for r in _read(out).get("runs") or [_read(out)])
+    if tokens:  # the core's CPU time per output token (the fill's threads included)
+        cpu["core_ms_per_token"] = cpu["core"] / tokens * 1e3
+    return {"side": tag, **_report(f"c={c} {tag} {variant}", _diff(_read(timing), before), _tpot(out), cpu)}
+
+
+def _table(results: list[dict], label: str) -> None:
+    """TPOT p50 per concurrency and side over the repeats (median, min-max), the schema's overhead on the
+    medians and the median of the paired (same repeat) overheads, then each phase's median us/step."""
+    import statistics
+
+    print(f"TPOT p50 ms{f' ({label})' if label else ''}: median [min-max] over repeats; overhead = schema / plain - 1")
+    print("| c | plain | schema | overhead (medians) | overhead (paired, median) | n |")
+    print("|---|---|---|---|---|---|")
+    for c in sorted({r["concurrency"] for r in results}):
+        side = {k: [r for r in results if r["concurrency"] == c and r.get("side") == k and r.get("tpot_p50_ms")]
+                for k in ("plain", "schema")}
+        tp = {k: [r["tpot_p50_ms"] for r in v] for k, v in side.items()}
+        if not tp["plain"] or not tp["schema"]:
+            print(f"| {c} | no result | | | | |")
+            continue
+        med = {k: statistics.median(v) for k, v in tp.items()}
+        pairs = {}
+        for r in side["plain"] + side["schema"]:
+            pairs.setdefault(r["repeat"], {})[r["side"]] = r["tpot_p50_ms"]
+        paired = [p["schema"] / p["plain"] - 1 for p in pairs.values() if len(p) == 2]
+        cell = {k: f"{med[k]:.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in tp.items()}
+        print(f"| {c} | {cell['plain']} | {cell['schema']} | {(med['schema'] / med['plain'] - 1) * 100:+.1f}% | "
+              f"{statistics.median(paired) * 100:+.1f}% | {len(tp['plain'])}+{len(tp['schema'])} |")
+        for k, v in side.items():
+            keys = sorted({p for r in v for p in r.get("us_per_step", {})})
+            phases = {p: statistics.median([r["us_per_step"].get(p, 0.0) for r in v]) for p in keys}
+            order = [p for p in ("period", "step", "prepare", "forward", "sample", "apply", "resolve", "mask_start",
+                                 "host_buf", "filler_start", "accept_all", "fill", "fill_wait", "mask_result", "h2d",
+                                 "gc", "loop") if p in phases]
+            print(f"  c={c} {k} us/step (median): " + " ".join(f"{p} {phases[p]:.0f}" for p in order))
 
 
 def _tpot(path: str) -> float | None:

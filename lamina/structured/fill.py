@@ -28,10 +28,19 @@ than LAMINA_GRAMMAR_FILL_MIN_ROWS (default ROWS_PER_THREAD) are filled on the ca
 1-2 rows to a thread cost the loop ~0.35 ms on the loaded 2-core machine, measured while the per-matcher fill
 still held the lock; the H200 run with it at 1 says whether that still holds (scripts/gpu_vllm.sh). An
 idle xgrammar pool sleeps (measured: 0-10 ms of CPU over 1 s idle after fills, 1 to 4 threads).
+
+LAMINA_GRAMMAR_FILL_ACCEPT_ON_LOOP=1 (opt-in until measured on the H200): the step loop takes the queued tokens
+itself before the hand-off. The accepts hold the lock wherever they run (xgrammar's accept_token, per-matcher
+fill and batch_accept_token all do: scripts/grammar_fill_gil.py), so moving them costs the loop nothing extra,
+and the worker then needs the lock only to enter the batch fill: with LAMINA_GRAMMAR_FILL_WAIT_START=0 the
+loop no longer waits two thread wake-ups per step. LAMINA_GRAMMAR_FILL_SWITCH_US (unset: the interpreter's
+5 ms) lowers the switch interval while a fill is pending, so the worker gets the lock within that long
+although the loop runs Python; the interval is put back when the fill is waited for.
 """
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +54,8 @@ ROWS_PER_THREAD = 8  # ~15-40 us a row on the H200 host: fewer rows per thread c
 ENV_THREADS = "LAMINA_GRAMMAR_FILL_THREADS"
 ENV_MIN_ROWS = "LAMINA_GRAMMAR_FILL_MIN_ROWS"
 ENV_WAIT_START = "LAMINA_GRAMMAR_FILL_WAIT_START"
+ENV_ACCEPT_ON_LOOP = "LAMINA_GRAMMAR_FILL_ACCEPT_ON_LOOP"
+ENV_SWITCH_US = "LAMINA_GRAMMAR_FILL_SWITCH_US"
 
 
 def default_fill_threads() -> int:
@@ -69,6 +80,20 @@ def default_min_rows() -> int:
     return int(value)
 
 
+def default_switch_us() -> float | None:
+    """LAMINA_GRAMMAR_FILL_SWITCH_US if set (> 0), else None: the switch interval is left alone."""
+    value = os.environ.get(ENV_SWITCH_US)
+    if value is None or not value.strip():
+        return None
+    if float(value) <= 0:
+        raise ValueError(f"{ENV_SWITCH_US} must be > 0, got {value}")
+    return float(value)
+
+
+def _flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default).strip() != "0"
+
+
 def batch_threads(rows: int, threads: int) -> int:
     """xgrammar threads for a batch fill of `rows`: one per ROWS_PER_THREAD rows, at most `threads`, at least 1."""
     return max(1, min(threads, rows // ROWS_PER_THREAD))
@@ -79,26 +104,34 @@ Job = Callable[[], None]  # fills some rows of the host bitmask; jobs touch disj
 
 class PendingFill:
     """A fill started on the filler's worker (or already done); wait() returns once it has run and re-raises
-    its error."""
+    its error (and puts back the switch interval the start lowered, if it did)."""
 
-    def __init__(self, future: Future | None) -> None:
+    def __init__(self, future: Future | None, switch_s: float | None = None) -> None:
         self._future = future
+        self._switch_s = switch_s  # the interval to restore
 
     def wait(self) -> None:
         f, self._future = self._future, None
-        if f is not None:
-            f.result()
+        try:
+            if f is not None:
+                f.result()
+        finally:
+            if self._switch_s is not None:
+                sys.setswitchinterval(self._switch_s)
+                self._switch_s = None
 
 
 class MaskFiller:
     """Runs a step's fill on one worker thread (made on the first background fill); not thread-safe: one
     caller, one fill at a time (the caller waits for a fill before starting the next)."""
 
-    def __init__(self, threads: int | None = None, min_rows: int | None = None,
-                 wait_start: bool | None = None) -> None:
+    def __init__(self, threads: int | None = None, min_rows: int | None = None, wait_start: bool | None = None,
+                 accept_on_loop: bool | None = None, switch_us: float | None = None) -> None:
         self.threads = default_fill_threads() if threads is None else threads
         self.min_rows = default_min_rows() if min_rows is None else min_rows
-        self.wait_start = os.environ.get(ENV_WAIT_START, "1").strip() != "0" if wait_start is None else wait_start
+        self.wait_start = _flag(ENV_WAIT_START, "1") if wait_start is None else wait_start
+        self.accept_on_loop = _flag(ENV_ACCEPT_ON_LOOP, "0") if accept_on_loop is None else accept_on_loop
+        self.switch_us = default_switch_us() if switch_us is None else switch_us
         self._pool: ThreadPoolExecutor | None = None
         self._batch: dict[int, object] = {}  # xgrammar BatchGrammarMatcher by thread count
 
@@ -111,17 +144,30 @@ class MaskFiller:
             return PendingFill(None)
         if not background or self.threads <= 0 or count < self.min_rows:
             return PendingFill(_done(self._fill, host, states, rows, jobs))
+        if self.accept_on_loop and states:  # the queued tokens here: the worker only fills
+            try:
+                states, rows = _advance(host, states, rows)
+            except Exception as exc:  # reported by wait(), as the worker's errors are
+                return PendingFill(_failed(exc))
+            if not states and not jobs:
+                return PendingFill(None)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lamina-grammar-fill")
+        switch_s = None
+        if self.switch_us is not None:
+            switch_s = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_us * 1e-6)
         started = threading.Event() if self.wait_start else None
-        future = self._pool.submit(self._fill, host, states, rows, jobs, started)
+        future = self._pool.submit(self._fill, host, states, rows, jobs, started, not self.accept_on_loop)
         if started is not None:
             started.wait()  # set before the lock-releasing batch fill, or when the fill ends (an error too)
-        return PendingFill(future)
+        return PendingFill(future, switch_s)
 
     def _fill(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], jobs: list[Job],
-              started: threading.Event | None = None) -> None:
+              started: threading.Event | None = None, advance: bool = True) -> None:
         try:
+            if advance and states:
+                states, rows = _advance(host, states, rows)
             self._fill_rows(host, states, rows, jobs, started)
         finally:
             if started is not None:
@@ -129,13 +175,6 @@ class MaskFiller:
 
     def _fill_rows(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], jobs: list[Job],
                    started: threading.Event | None) -> None:
-        if states:
-            advance_all(states)
-            if any(s.done for s in states):  # a stop token or a rejected one came back: those rows unmasked
-                keep = [i for i, s in enumerate(states) if not s.done]
-                for i in set(range(len(states))).difference(keep):
-                    host[rows[i]].numpy().fill(ALL_ALLOWED)
-                states, rows = [states[i] for i in keep], [rows[i] for i in keep]
         if states:
             n = batch_threads(len(states), self.threads)
             batch = self._batch.get(n)
@@ -154,6 +193,24 @@ class MaskFiller:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._batch.clear()
+
+
+def _advance(host: torch.Tensor, states: list[GrammarState], rows: list[int]) -> tuple[list, list[int]]:
+    """Gives the states their queued tokens; the rows of those that ended (a stop token or a rejected one
+    came back) are set to all ones and left out of what is returned (states, rows) to fill."""
+    advance_all(states)
+    if not any(s.done for s in states):
+        return states, rows
+    keep = [i for i, s in enumerate(states) if not s.done]
+    for i in set(range(len(states))).difference(keep):
+        host[rows[i]].numpy().fill(ALL_ALLOWED)
+    return [states[i] for i in keep], [rows[i] for i in keep]
+
+
+def _failed(exc: Exception) -> Future:
+    f: Future = Future()
+    f.set_exception(exc)
+    return f
 
 
 def _done(fn: Callable, *args) -> Future:

@@ -47,8 +47,17 @@ def multi_token_bad_words(params: SamplingParams) -> list[list[int]]:
 def sampled_rows(scheduled) -> tuple[list[Sequence], list[int]]:
     """The sampled rows of a step of `scheduled` (ScheduledSeq items) before it is built, as the runner lays
     them out (ForwardBatch.sampled, .offsets): each sequence's num_sampled rows in scheduled order."""
-    rows = [item.seq for item in scheduled for _ in range(item.num_sampled)]
-    return rows, [j for item in scheduled for j in range(item.num_sampled)]
+    rows: list[Sequence] = []
+    offsets: list[int] = []
+    for item in scheduled:  # one loop, no range per row: ~70 us at 64 rows on the development machine before
+        n = item.num_sampled
+        if n == 1:
+            rows.append(item.seq)
+            offsets.append(0)
+        elif n:
+            rows.extend([item.seq] * n)
+            offsets.extend(range(n))
+    return rows, offsets
 
 
 @dataclass
@@ -165,6 +174,13 @@ class StructuredOutputManager:
         (no step in flight). background: the fill runs on the filler's threads while the caller goes on
         (building and running the forward), and the matchers of these rows are the filler's until result()
         or cancel(): the caller must not accept tokens or fill again meanwhile."""
+        fast = _decode_states(rows, offsets)
+        if fast is not None:  # every row one live grammar, nothing else to mask: the usual decode step
+            count = len(fast)
+            host = self._buffers.host(count, blank=False)  # the batch fill writes every row
+            fill_rows = list(range(count))
+            fill = self._filler.start(host, fast, fill_rows, [], count, background)
+            return PendingMask(self, host, fill_rows, True, fill, [])
         runs = []  # (first row, row count, sequence, its multi-token bad words) of the rows to mask
         r, total = 0, len(rows)
         while r < total:
@@ -230,6 +246,19 @@ class PendingMask:
             self._fill.wait()
         except Exception:  # the step failed already; its own error is the one reported
             pass
+
+
+def _decode_states(rows: list[Sequence], offsets: list[int]) -> list | None:
+    """The rows' grammar states when every row is its sequence's only one (no verify run), unfinished, with a
+    grammar not done and no bad words; else None (start_bitmask's general path). One tight loop: the general
+    one cost ~150 us at 64 rows on the development machine."""
+    states = []
+    for seq, off in zip(rows, offsets):
+        g = seq.grammar
+        if off or g is None or g.done or seq.finished or seq.params.bad_words_token_ids:
+            return None
+        states.append(g)
+    return states or None
 
 
 def _bad_word_bans(output: list[int], words: list[list[int]]) -> list[int]:

@@ -120,6 +120,45 @@ def test_background_fill_equals_each_matcher_and_keeps_bad_words():
     mgr.close()
 
 
+@pytest.mark.parametrize("wait_start", [True, False])
+def test_accepts_on_the_loop_fill_as_on_the_worker(wait_start):
+    """LAMINA_GRAMMAR_FILL_ACCEPT_ON_LOOP: queued tokens (one a row, one row given its stop token, one several)
+    taken on the calling thread, then the batch fill on the worker: the same mask as the worker taking them
+    (the default), and the switch interval lowered while the fill is pending is put back by wait()."""
+    import sys
+
+    pytest.importorskip("xgrammar")
+    from lamina.structured.state import GrammarState
+
+    tok = _tokenizer()
+    from lamina.structured.compiler import GrammarCompilerService
+
+    compiled = GrammarCompilerService(tok, len(tok), [tok.eos_token_id]).compile(SO(json=SCHEMA))
+    prefixes = ['{"name": "a', '{"name": "bc", "age": 4', '{"name', "", '{"name": "x", "age": 1}'] * 3
+    queued = [tok(p, add_special_tokens=False).input_ids for p in prefixes]
+    width = (len(tok) + 31) // 32
+    masks = []
+    for filler in (MaskFiller(2, min_rows=1), MaskFiller(2, min_rows=1, wait_start=wait_start, accept_on_loop=True,
+                                                         switch_us=100)):
+        states = [GrammarState(compiled) for _ in queued]
+        for st, ids in zip(states, queued):
+            for t in ids[:-1]:
+                assert st.accept(t)
+            if ids:
+                st.push(ids[-1])  # the last one queued, as the read-back leaves it
+        states[4].push(tok.eos_token_id)  # a complete object, then its stop token: the row goes all ones
+        host = torch.zeros((len(states), width), dtype=torch.int32)
+        before = sys.getswitchinterval()
+        pending = filler.start(host, states, list(range(len(states))), [], len(states))
+        pending.wait()
+        assert sys.getswitchinterval() == before
+        assert states[4].done and not any(s.pending for s in states)
+        masks.append(host.clone())
+        filler.close()
+    assert torch.equal(masks[0], masks[1])
+    assert (masks[0][4] == -1).all() and not (masks[0][0] == -1).all()
+
+
 # ---- the engine: overlapped fill, fill after the forward, synchronous loop ------------------------------
 @pytest.fixture(scope="module")
 def engines():
@@ -173,6 +212,25 @@ def test_overlapped_fill_equals_fill_after_forward_and_sync(engines, monkeypatch
         jsonschema.validate(json.loads(overlapped.tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
 
 
+def test_accepts_on_the_loop_engine_equals_sync(engines):
+    """The opt-in mode (accepts on the step loop, no wait for the worker's start, a lowered switch interval)
+    in the engine: the same tokens as the synchronous loop, 16 rows of which half are constrained."""
+    overlapped, sync = engines
+    prompts = [f"Invent person {i} with a name and an age, as JSON." for i in range(16)]
+
+    def params_of(i):
+        return SamplingParams(temperature=0, max_tokens=40 if i % 2 == 0 else 12,
+                              structured_outputs=SO(json=SCHEMA) if i % 2 == 0 else None)
+
+    default = overlapped.structured._filler
+    overlapped.structured._filler = MaskFiller(2, min_rows=1, wait_start=False, accept_on_loop=True, switch_us=100)
+    try:
+        assert _run(overlapped, prompts, params_of) == _run(sync, prompts, params_of)
+    finally:
+        overlapped.structured._filler.close()
+        overlapped.structured._filler = default
+
+
 def test_overlapped_steps_do_overlap(engines, monkeypatch):
     """With the async loop on, every constrained step after the first starts its fill before the forward
     (the early read back), so the fill and the forward run at the same time."""
@@ -187,3 +245,34 @@ def test_overlapped_steps_do_overlap(engines, monkeypatch):
                                                                      structured_outputs=SO(json=SCHEMA)))
     fills = [i for i, o in enumerate(order) if o[0] == "fill"]
     assert len(fills) > 5 and all(order[i] == ("fill", True) and order[i + 1] == ("forward",) for i in fills)
+
+
+def test_decode_fast_path_equals_general_path(monkeypatch):
+    """start_bitmask's one-loop path (every row one live grammar, nothing else) gives the general path's mask,
+    and sampled_rows lays rows out as before (0, 1 and 3 sampled rows)."""
+    pytest.importorskip("xgrammar")
+    from lamina.structured import manager as mg
+    from lamina.structured.state import GrammarState
+
+    item = [SimpleNamespace(seq=s, num_sampled=n) for s, n in (("a", 1), ("b", 0), ("c", 3), ("d", 1))]
+    assert mg.sampled_rows(item) == (["a", "c", "c", "c", "d"], [0, 0, 1, 2, 0])
+    tok = _tokenizer()
+    mgr = mg.StructuredOutputManager(tok, len(tok), [tok.eos_token_id], torch.device("cpu"))
+    compiled = mgr.compiler.compile(SO(json=SCHEMA))
+    masks = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(mg, "_decode_states", lambda rows, offsets: None)
+        seqs = []
+        for text in ['{"name": "a', '{"name": "bc", "age": 4', ""] * 4:
+            st = GrammarState(compiled)
+            for t in tok(text, add_special_tokens=False).input_ids:
+                st.push(t)
+            seqs.append(SimpleNamespace(grammar=st, finished=False, draft_token_ids=[], params=SamplingParams(),
+                                        output_token_ids=[]))
+        assert (mg._decode_states(seqs, [0] * len(seqs)) is not None) == fast
+        mask = mgr.start_bitmask(seqs, [0] * len(seqs), background=True).result()
+        assert mask.rows is None and mask.host_rows == list(range(len(seqs)))
+        masks.append(mask.bitmask.clone())
+    assert torch.equal(masks[0], masks[1])
+    mgr.close()
