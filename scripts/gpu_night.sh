@@ -48,5 +48,7 @@ sel wqsweep && stage wqsweep ${WQ_S:-130} python3 scripts/gpu_wq_bench.py --quic
 sel moesweep && stage moesweep ${MS_S:-120} python3 scripts/moe_decode_sweep.py --budget $(( ${MS_S:-120} - 20 ))
 # The defaults set from the sweeps above (FP8 GEMV and blockwise _scaled_mm through fp8_linear).
 sel fp8check && stage fp8check ${FC_S:-40} python3 scripts/fp8_default_check.py
+# Hybrid verify forward vs decode forward, op by op (batch 1, eager, 8 layers of the 80B-A3B shape; issue 14).
+sel specprof && stage specprof ${SP_S:-120} python3 scripts/spec_verify_profile.py --layers ${SP_LAYERS:-8}
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"
