@@ -12,7 +12,16 @@ distinct bytes makes the verify forward ~2x the decode forward (issue 14: target
 Prints kernels grouped by kind (gdn, conv, attention, moe, gemm, norm/rope/act, other) with decode us, verify
 us and the ratio, then the 25 kernels that cost the verify forward most; JSON to $OUT/spec_verify_profile.json.
 
-    python scripts/spec_verify_profile.py [--layers 8] [--out DIR]
+Candidates from the code, besides the routed experts' distinct bytes (what the table should confirm or not):
+- attention: a T = 4 row is not a decode row (attention_launch.py), so the verify step runs the varlen
+  prefill kernel without the decode kernel's split-K over the context: few programs at batch 1;
+- GDN verify (triton_gdn_verify.py): the state is written after every token (K + 1 = 4 fp32 state writes
+  against 1), reads the same; grid as decode, so its time should scale with the writes only;
+- MoE at T = 4 (triton_moe_decode.py): gate|up per (token, slot) pair and the down-sum per token, so an
+  expert two tokens share is streamed twice (bytes ~ T x top_k, not the distinct experts);
+- conv verify (triton_conv1d_verify.py): a second launch per layer for the candidates' conv states.
+
+    python scripts/spec_verify_profile.py [--layers 8] [--input-len 512] [--out DIR]
 """
 from __future__ import annotations
 
@@ -111,6 +120,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8, help="layers of the hybrid shape (3 GDN : 1 attention)")
     ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--input-len", type=int, default=512, help="prompt tokens (attention's context)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     from lamina import LLM, SamplingParams
@@ -122,7 +132,7 @@ def main() -> int:
     dev = {"device": "cpu", "dtype": "float32"} if os.environ.get("SPEC_BENCH_SMOKE") == "1" else {}
     llm = LLM(model=model, **dev, enforce_eager=True, speculative_config=spec, max_num_seqs=4, progress=False)
     eng = llm.engine
-    prompt = [{"prompt_token_ids": [(7 * i + 11) % 30000 + 100 for i in range(32)]}]
+    prompt = [{"prompt_token_ids": [(7 * i + 11) % 30000 + 100 for i in range(args.input_len)]}]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     probe = ForwardProbe(eng.runner)
     saved, eng.spec = eng.spec, None
