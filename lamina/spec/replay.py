@@ -60,8 +60,10 @@ class ReplayProposer:
         got = self._prompts.get(seq.seq_id)
         if got is None:
             prompt = tuple(seq.prompt_token_ids)
-            got = self._prompts[seq.seq_id] = (zlib.crc32(repr(prompt).encode()), self.reference.get(prompt, []),
-                                               [])
+            key, ref = zlib.crc32(repr(prompt).encode()), self.reference.get(prompt, [])
+            # every reference position decided up front (in the sequence's first step, ~2 us each), so later
+            # verify steps, whose host work the device waits for, only slice
+            got = self._prompts[seq.seq_id] = (key, ref, [self.right(key, j) for j in range(len(ref))])
         return got
 
     def _rights(self, key: int, known: list[bool], n: int, count: int) -> list[bool]:
