@@ -59,5 +59,7 @@ sel fp8check && stage fp8check ${FC_S:-40} python3 scripts/fp8_default_check.py
 # Issue 15's FP8 KV target: random Qwen3-8B, an 8 GiB KV pool, 64 prompts of 3-4k: bf16 vs FP8 KV in one run
 # (FP8 KV kernels checked on the GPU first).
 sel kvfp8 && stage kvfp8 ${KV8_S:-180} python3 scripts/gpu_kv_fp8.py --budget $(( ${KV8_S:-180} - 8 ))
+# Hybrid verify forward vs decode forward, op by op (batch 1, eager, 8 layers of the 80B-A3B shape; issue 14).
+sel specprof && stage specprof ${SP_S:-120} python3 scripts/spec_verify_profile.py --layers ${SP_LAYERS:-8}
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"

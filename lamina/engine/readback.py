@@ -31,6 +31,7 @@ class StepReadback:
         accepted = flight.num_accepted.tolist() if flight.num_accepted is not None else None
         now = time.monotonic()
         row = 0
+        verified: list[tuple[int, int, int]] = []  # (seq_id, drafts, accepted) for the speculative decoder
         for i, (seq, idx, n) in enumerate(flight.sampled):
             row0, row = row, row + n
             if seq.finished:  # aborted, or stopped on an earlier token while this one was in flight
@@ -43,7 +44,8 @@ class StepReadback:
                 tokens = seq.draft_token_ids[:a] + tokens[a:a + 1]
                 seq.draft_token_ids = []
                 seq.num_computed_tokens -= n - 1 - a  # the rejected drafts' KV is overwritten later
-                self.scheduler.trim(seq)  # blocks holding only rejected positions go back to the pool
+                if a < n - 1:  # blocks holding only rejected positions go back to the pool
+                    self.scheduler.trim(seq)
                 seq.token_ids[idx + 1:idx + 1] = [PENDING] * a
                 if seq.candidate_slots:  # recurrent state: commit the one after the last accepted token
                     if a < n - 1:
@@ -55,17 +57,26 @@ class StepReadback:
                         seq.state_slot, seq.candidate_slots[a] = seq.candidate_slots[a], seq.state_slot
                     self.scheduler.free_candidates(seq)
                 if self.spec is not None:
-                    self.spec.record(seq, n - 1, a)
+                    verified.append((seq.seq_id, n - 1, a))
                 self._accept(seq, idx, tokens, result, row0, now)
                 if not seq.finished:  # a prefix-cache snapshot only at an accepted position
                     self.scheduler.snapshot(seq)
                 continue
             self._accept(seq, idx, tokens, result, row0, now)
+        if verified:
+            self.spec.record_many(verified)
 
     def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:
         """Puts a sequence's new tokens at token_ids[idx:], one at a time with the token stop checks."""
         if seq.first_token_time is None:
             seq.first_token_time = now
+        if self._no_stop_within(seq, idx, tokens):
+            # The common case in one slice: no matcher, no logprobs, and no token of the run can end it (none
+            # is a stop id or an EOS it stops on, and the last stays short of both length limits), so the
+            # per-token loop below would only assign them (~25 us a verify step and sequence on the bench CPU).
+            seq.token_ids[idx:idx + len(tokens)] = tokens
+            self.scheduler.register_computed(seq, idx + len(tokens))
+            return
         for j, token in enumerate(tokens):
             pos = idx + j
             seq.token_ids[pos] = token
@@ -80,6 +91,20 @@ class StepReadback:
                 self.scheduler.finish(seq)
                 return
         self.scheduler.register_computed(seq, idx + len(tokens))
+
+    def _no_stop_within(self, seq: Sequence, idx: int, tokens: list[int]) -> bool:
+        """Whether check_token_stop cannot end the sequence on any of `tokens` (placed at token_ids[idx:]), and
+        nothing else per token is due (a grammar to push, logprobs to record). Conservative: a stop id or EOS
+        among them sends the run through the per-token loop even while min_tokens would ban it."""
+        if seq.grammar is not None or seq.logprobs is not None:
+            return False
+        n_last = idx + len(tokens) - seq.num_prompt_tokens  # output index of the last token
+        if n_last >= seq.max_tokens or seq.num_prompt_tokens + n_last >= self.max_model_len:
+            return False
+        p = seq.params
+        if p.stop_token_ids and any(t in p.stop_token_ids for t in tokens):
+            return False
+        return p.ignore_eos or not any(t in self.eos_token_ids for t in tokens)
 
     def _output(self, group: RequestGroup) -> RequestOutput:
         outs = []

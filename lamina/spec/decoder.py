@@ -58,6 +58,23 @@ class SpecDecoder:
         self._step[0] += num_drafts
         self._step[1] += num_accepted
 
+    def record_many(self, verified: list[tuple[int, int, int]]) -> None:
+        """record() for a verify step's sequences at once: (seq_id, num_drafts, num_accepted) each."""
+        stats, gate, per_pos = self.stats, self.gate, self.stats.accepted_per_position
+        drafts = accepted = 0
+        for seq_id, nd, na in verified:
+            drafts += nd
+            accepted += na
+            for j in range(na):
+                per_pos[j] += 1
+            if gate.enabled:
+                gate.record(seq_id, nd, na)
+        stats.num_drafts += len(verified)
+        stats.num_draft_tokens += drafts
+        stats.num_accepted_tokens += accepted
+        self._step[0] += drafts
+        self._step[1] += accepted
+
     @staticmethod
     def decodes_next(seq: Sequence) -> bool:
         """A running sequence whose next step decodes its last token (known or still in flight), with room for

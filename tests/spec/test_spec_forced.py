@@ -98,3 +98,24 @@ def test_forced_is_bench_only(capsys):
     with pytest.raises(ValueError, match="takes no option"):
         parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "forced": True})
     assert parse_speculative_config(cfg, bench=True).to_dict()["forced"] is True
+
+
+@pytest.mark.parametrize("where", [1, 2, 3])
+def test_stop_id_inside_an_accepted_run(checkpoints, where, one_thread):
+    """A stop id at draft j of an accepted run ends the sequence there (the readback's one-slice path must
+    hand such a run to the per-token stop checks), and its tokens after the stop are dropped."""
+    llm = make(checkpoints["llama"], speculative_config=forced(1.0))
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
+    ref = free[0].outputs[0].token_ids
+    stop = ref[where]
+    if stop in ref[:where]:
+        pytest.skip("the stop id occurs earlier in the run")
+    res = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True,
+                                              stop_token_ids=[stop]), use_tqdm=False)
+    out = res[0].outputs[0]
+    assert out.token_ids == ref[:where + 1] and out.finish_reason == "stop"
+    # max_tokens: the drafts are capped to fit (which changes what forced acceptance emits), the length holds
+    res = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=where + 1, ignore_eos=True), use_tqdm=False)
+    assert len(res[0].outputs[0].token_ids) == where + 1 and res[0].outputs[0].finish_reason == "length"
+    assert all_free(llm)
