@@ -44,7 +44,10 @@ def test_fused_shards_load_by_name():
     load_parts(layer, dict(reversed(ps.items())))  # the order the checkpoint lists them in does not matter
     x = torch.randn(3, 6)
     ref = torch.cat([F.linear(x, w, b) for w, b in ps.values()], dim=-1)
-    torch.testing.assert_close(layer(x), ref, rtol=0, atol=0)
+    assert torch.equal(layer.weight, torch.cat([w for w, _ in ps.values()]))  # the layout, exactly
+    # The products only closely: BLAS picks its kernel by the output width, which differs between the fused
+    # matmul and its parts (CI's CPU gave 4.8e-7 apart).
+    torch.testing.assert_close(layer(x), ref)
     # A checkpoint that already holds the fused tensor loads it whole.
     whole = fused_linear()
     weight_loader(whole, "weight")(whole.weight, torch.cat([w for w, _ in ps.values()]))
@@ -107,7 +110,8 @@ def test_column_parallel_shards_split_each_fused_part():
         assert layer.weight.shape == (8, 6) and layer.bias.shape == (8,)
         load_parts(layer, ps)  # full checkpoint tensors in; each rank keeps its half of q, of k, of v
         want = torch.cat([r.chunk(2, dim=-1)[rank] for r in ref], dim=-1)
-        torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+        assert torch.equal(layer.weight, torch.cat([w.chunk(2)[rank] for w, _ in ps.values()]))  # exactly
+        torch.testing.assert_close(layer(x), want)  # products closely: BLAS kernels differ by output width
         whole = fused_linear(DenseFormat(Partition(rank, 2, dim=0)))
         weight_loader(whole, "weight")(whole.weight, full.weight.detach())  # a whole fused tensor splits too
         assert torch.equal(whole.weight, layer.weight)
