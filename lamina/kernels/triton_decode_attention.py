@@ -146,15 +146,17 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
         cs_row = cs_ptr + tl.load(pos_ptr + q_start).to(tl.int64) * stride_cs
         qt = _norm_rope_rows(q_ptr, q_off, row_ok, qw_ptr, cs_row, eps, norm_off, D, ROT, BLOCK_D,
                              HAS_NORM).to(q_ptr.dtype.element_ty)  # rounded as the prep kernel writes q
-        slot = tl.load(slot_ptr + q_start).to(tl.int64)
-        if (slot >= 0) & (start <= seq_len - 1) & (seq_len - 1 < end):
+        # (not `slot`: the key loop below names its [BLOCK_N * HEADS] offsets so, and Triton's compiler sees one
+        # variable changing type inside a loop; the interpreter does not, only sm_90 compiles failed)
+        new_slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        if (new_slot >= 0) & (start <= seq_len - 1) & (seq_len - 1 < end):
             hk = kvh0 + tl.arange(0, HEADS)
             hk_ok = hk < num_kv_heads
             hk64 = hk.to(tl.int64)
             kn = _norm_rope_rows(k_ptr, q_start.to(tl.int64) * stride_nkt + hk64 * stride_nkh, hk_ok, kw_ptr,
                                  cs_row, eps, norm_off, D, ROT, BLOCK_D, HAS_NORM)
             kn = to_cache(kn.to(k_ptr.dtype.element_ty), kc_ptr)
-            page, poff = slot // PAGE, slot % PAGE
+            page, poff = new_slot // PAGE, new_slot % PAGE
             tl.store(kc_ptr + page * stride_kb + poff * stride_kt + hk64[:, None] * stride_kh + d[None, :], kn,
                      mask=hk_ok[:, None] & (d < D)[None, :])
             dvn = tl.arange(0, BLOCK_DV)
