@@ -4,6 +4,7 @@ variant, in one call: us/step and % of the copy-bandwidth floor (weight bytes / 
 
 Variants (env switches; each builds a fresh engine since graphs fix the kernels at capture):
   cublas      LAMINA_TRITON_GEMV=0
+  cublas+prep  cuBLAS with the attention prep folded into decode attention (LAMINA_FUSED_ATTN_PREP=1)
   gemv        Triton GEMV, no dense fusions            (LAMINA_FUSED_DENSE_DECODE=0)
   gemv+pro    the old prologues                        (=1)
   gemv+epi    o_proj add+norm and gate|up act epilogues (=epi)
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 
 VARIANTS = {
     "cublas": {"LAMINA_TRITON_GEMV": "0", "LAMINA_FUSED_DENSE_DECODE": "0", "LAMINA_FUSED_ATTN_PREP": "0"},
+    "cublas+prep": {"LAMINA_TRITON_GEMV": "0", "LAMINA_FUSED_DENSE_DECODE": "0", "LAMINA_FUSED_ATTN_PREP": "1"},
     "gemv": {"LAMINA_TRITON_GEMV": "1", "LAMINA_FUSED_DENSE_DECODE": "0", "LAMINA_FUSED_ATTN_PREP": "0"},
     "gemv+pro": {"LAMINA_TRITON_GEMV": "1", "LAMINA_FUSED_DENSE_DECODE": "1", "LAMINA_FUSED_ATTN_PREP": "0"},
     "gemv+epi": {"LAMINA_TRITON_GEMV": "1", "LAMINA_FUSED_DENSE_DECODE": "epi", "LAMINA_FUSED_ATTN_PREP": "0"},
