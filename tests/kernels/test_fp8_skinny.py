@@ -68,3 +68,22 @@ def test_fp8_skinny_refuses_k_steps_across_scale_blocks():
     q, s, x, _ = _case(64, 128, (32, 32), 2, torch.float16, seed=1)
     with pytest.raises(ValueError, match="must divide"):
         fp8_skinny(x, q, s, (32, 32), config=SkinnyConfig("tc16", 64, 64))
+
+
+def test_skinny_switch_parsing():
+    from lamina.kernels.fp8 import skinny_variant
+
+    assert skinny_variant(4, "") is None and skinny_variant(4, "fma") is None
+    assert skinny_variant(4, "tc16") == "tc16" and skinny_variant(1, "tc16") is None
+    assert skinny_variant(1, "tc+m1") == "tc" and skinny_variant(16, "tc+m1") == "tc"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the script is the benchmark itself (gpu_night.sh fp8skinny)")
+def test_skinny_bench_script_checks_pass_under_the_interpreter():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "fp8_skinny_bench.py"
+    done = subprocess.run([sys.executable, str(script), "--interpret"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
