@@ -6,7 +6,8 @@ A weight is stored as float8_e4m3fn [N, K] with fp32 scales that multiply it bac
 
 `fp8_linear` is the one entry point. The torch reference (CPU, and the oracle) dequantizes the weight to the
 activation dtype and calls F.linear: weight-only, no activation rounding. On CUDA:
-- M <= 16 rows: the Triton GEMV (triton_fp8_gemv.py) reads FP8 and accumulates fp32, activations unrounded;
+- M <= 16 rows: the Triton GEMV (triton_fp8_gemv.py), or with LAMINA_FP8_SKINNY the skinny tensor-core GEMM
+  (triton_fp8_skinny.py), reads FP8 and accumulates fp32, activations unrounded;
 - more rows, block scales: activations quantized per token and per bk-wide group, then the Triton
   block-scaled GEMM on FP8 tensor cores (triton_fp8_gemm.py), or (on Hopper: block_gemm(), 128x128 blocks
   only) torch._scaled_mm's blockwise (1x128 activations, 128x128 weights) scaling;

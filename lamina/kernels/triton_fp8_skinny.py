@@ -5,9 +5,10 @@ weight tile transposed, so on sm90 the converted weight has to go back through s
 tensor cores, and its 16-row tiles stream ~2 KB per step. The H200 sweep of 2026-12-02 had it at 0.53-0.65x
 bf16 from M = 4 on narrow N (qkv, o, down), while bf16 itself does not slow down with M at all.
 
-Here the product is computed transposed ("swap AB"): acc [BLOCK_N, 16] = w [BLOCK_N, BK] @ x^T [BK, 16], so the
-weight is the A operand, which the tensor cores (wgmma on sm90: 64 rows per warpgroup) take straight from
-registers after the fp8 -> bf16 upcast, and x^T (16 columns, rows padded/masked) is the small B operand.
+Here the product is computed transposed ("swap AB"): acc [BLOCK_N, 16] = w [BLOCK_N, BK] @ x^T [BK, 16], so
+the weight is the A operand, which the tensor cores (wgmma on sm90: 64 rows per warpgroup) take straight from
+registers after the upcast (TTGIR: a dot_op opIdx 0 operand, m64n16k16 wgmma), and x^T (16 columns, rows
+padded/masked) is the small B operand.
 Every weight byte is read once for all M rows. The weight is upcast exactly (every e4m3 value is a bf16 and
 an fp16 value), products accumulate in fp32, and the scale multiplies each BK step's partial (block scales:
 BK divides the block's width) or the output (row scales). Activations are never rounded to FP8. Two
