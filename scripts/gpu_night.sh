@@ -45,6 +45,10 @@ sel smolspec && stage smolspec ${SS_S:-420} bash scripts/gpu_smol_spec.sh
 # The afternoon's kernel rewrites (2026-12-02): every FP8 decode GEMV variant and the fused activation
 # quantization, then the dense layer with its GEMV prologues (fused vs separate, graph replay, launches).
 sel fp8sweep && stage fp8sweep ${F8_S:-115} python3 scripts/fp8_gpu_bench.py --quick --sweep
+# Issue 15's skinny FP8 decode GEMM (triton_fp8_skinny.py, fp87): every-code / wide-row / graph-replay checks
+# and each Qwen3-8B shape's default vs fp64 first, then M = 1, 2, 4, 8, 16: bf16, old GEMV default, tc16, tc, the
+# block128 config sweep at M = 1 and 16, the 36-layer sums per M (LAMINA_FP8_SKINNY=tc16 switches it on).
+sel fp8skinny && stage fp8skinny ${FS_S:-240} python3 scripts/fp8_skinny_bench.py --budget $(( ${FS_S:-240} - 40 ))
 sel densestep && stage densestep ${DS_S:-170} bash -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv_epilogue.py tests/kernels/test_decode_prep.py tests/kernels/test_gemv_prologue.py 2>&1 | tail -3; python3 scripts/gpu_dense_step.py --steps ${DS_STEPS:-48}'
 sel densecheck && stage densecheck ${DC_S:-115} python3 scripts/gpu_dense_decode_check.py --tune
 sel specdense && stage specdense ${SD_S:-115} python3 scripts/gpu_spec_bench.py --only check_dense,forced_dense \

@@ -6,7 +6,8 @@ A weight is stored as float8_e4m3fn [N, K] with fp32 scales that multiply it bac
 
 `fp8_linear` is the one entry point. The torch reference (CPU, and the oracle) dequantizes the weight to the
 activation dtype and calls F.linear: weight-only, no activation rounding. On CUDA:
-- M <= 16 rows: the Triton GEMV (triton_fp8_gemv.py) reads FP8 and accumulates fp32, activations unrounded;
+- M <= 16 rows: the Triton GEMV (triton_fp8_gemv.py), or with LAMINA_FP8_SKINNY the skinny tensor-core GEMM
+  (triton_fp8_skinny.py), reads FP8 and accumulates fp32, activations unrounded;
 - more rows, block scales: activations quantized per token and per bk-wide group, then the Triton
   block-scaled GEMM on FP8 tensor cores (triton_fp8_gemm.py), or (on Hopper: block_gemm(), 128x128 blocks
   only) torch._scaled_mm's blockwise (1x128 activations, 128x128 weights) scaling;
@@ -36,6 +37,9 @@ MAX_GEMV_M = 16
 # GEMM and 790 for bf16), the Triton GEMM elsewhere (torch refuses blockwise scales off sm90 here).
 # LAMINA_FP8_BLOCK_GEMM=triton|scaled_mm overrides.
 BLOCK_GEMM_ENV = "LAMINA_FP8_BLOCK_GEMM"
+# LAMINA_FP8_SKINNY=tc16|tc sends 2..16 rows to the skinny tensor-core GEMM (triton_fp8_skinny.py) instead of
+# the GEMV; with "+m1" (tc16+m1) one row too. Unset: the GEMV (not yet timed on the H200: GPU stage fp8skinny).
+SKINNY_ENV = "LAMINA_FP8_SKINNY"
 _TINY = 1e-12  # an all-zero row or block gets this scale instead of 0 (0/0 would be NaN)
 
 
@@ -110,7 +114,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return fp8_linear_ref(x, weight, scale, block, bias)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    if m <= MAX_GEMV_M:
+    if m <= MAX_GEMV_M and skinny_variant(m):
+        from lamina.kernels.triton_fp8_skinny import default_config, fp8_skinny
+
+        n, k = weight.shape
+        config = default_config(m, n, k, block, x2.device, skinny_variant(m))
+        if block is None or not (block[1] & (block[1] - 1) or block[1] % config.block_k):
+            y = fp8_skinny(x2.contiguous(), weight, scale, block, bias, config=config)
+        else:  # a scale block width the K steps cannot divide: the GEMV
+            from lamina.kernels.triton_fp8_gemv import fp8_gemv
+
+            y = fp8_gemv(x2, weight, scale, block, bias)
+    elif m <= MAX_GEMV_M:
         from lamina.kernels.triton_fp8_gemv import fp8_gemv
 
         y = fp8_gemv(x2, weight, scale, block, bias)
@@ -121,6 +136,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     else:
         y = _scaled_mm_rows(x2, weight, scale, bias, input_scale)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def skinny_variant(m: int, env: str | None = None) -> str | None:
+    """The skinny GEMM variant LAMINA_FP8_SKINNY picks for m rows (None: the GEMV)."""
+    env = os.environ.get(SKINNY_ENV, "") if env is None else env
+    variant, _, rows = env.partition("+")
+    if variant not in ("tc", "tc16") or (m == 1 and rows != "m1"):
+        return None
+    return variant
 
 
 def _scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
