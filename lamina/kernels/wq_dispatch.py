@@ -18,10 +18,11 @@ benchmarks/results/2026-12-02d/call7/night/wqkn.log):
              | one-row GEMVs at M = 4: kn 37.6, old 42.6)    |
     > 16     | dot (prefill tiles; kn_matmul: 48 vs 343 TF/s) | dot
 
-Timed (LAMINA_WQ_TUNE, on by default; once per (M bucket, N, K, group, bits, dtype, device, kn or not), on
-the first call outside CUDA-graph capture, i.e. in the engine's eager warm-up): the untimed pick plus
-candidates_for's list, each checked against the dequantized weight's matmul first. M = 2..16 with the kn
-copy adds the multi-row kn GEMV (not yet measured on a GPU: it becomes the pick only where it times faster).
+Timed (LAMINA_WQ_TUNE=1; off by default until the GPU numbers say the start-up compiles pay): once per
+(M bucket, N, K, group, bits, dtype, device, kn or not), on the first call outside CUDA-graph capture (the
+engine's eager warm-up), the untimed pick and candidates_for's list, each checked against the dequantized
+weight's matmul first. M = 2..16 with the kn copy adds the multi-row kn GEMV (not yet measured on a GPU: it
+is picked only where it times faster).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import triton
 from lamina.kernels.triton_wq_gemv_kn import KnConfig, KnWeight, kn_gemv
 from lamina.kernels.triton_wq_matmul import WqConfig, heuristic_config, wq_matmul
 
-TUNE_SWITCH = "LAMINA_WQ_TUNE"
+TUNE_SWITCH = "LAMINA_WQ_TUNE"  # "1": time the candidates once per shape (off by default: start-up compiles)
 MAX_DECODE = 16  # rows up to which the decode candidates are timed (above: the prefill heuristic, untimed)
 
 
@@ -78,17 +79,17 @@ def heuristic_path(m: int, n: int, k: int, group: int, bits: int, sms: int, has_
 
 def candidates_for(m: int, n: int, k: int, group: int, bits: int, sms: int, has_kn: bool) -> list[WqPath]:
     """What the tuner times for M rows (a power of two <= 16), the untimed pick first. Each is a compile
-    (~1-2 s), so few: M = 1: the kn tiles that won a shape on the H200, more split-K for narrow N (o:
-    0.91 TB/s with 16 splits of one step) and the old GEMV; M = 2..16: the 16-row dot tile as measured and
-    with longer K steps (more bytes in flight), and with the kn copy the multi-row GEMV at a few tiles."""
+    (~1 s; 4 shapes x 5 M buckets x ~6 = ~2 minutes of start-up), so few: M = 1: the kn tiles that won a
+    shape on the H200, narrower tiles with more split-K for narrow N (o: 0.91 TB/s with 16 splits of one
+    step) and the old GEMV; M = 2..16: the 16-row dot tile as measured and with longer K steps (more bytes in
+    flight) or wider N, and with the kn copy the multi-row GEMV at two tiles."""
     first = heuristic_path(m, n, k, group, bits, sms, has_kn)
     cands = [first]
     if m == 1:
         if has_kn:
             cands += [WqPath("kn", c) for c in (
                 KnConfig(block_n=512, block_kw=8), KnConfig(block_n=128, block_kw=32),
-                KnConfig(block_n=256, block_kw=16, waves=3), KnConfig(block_n=128, block_kw=16, waves=6),
-                KnConfig(block_n=64, block_kw=32, waves=6))]
+                KnConfig(block_n=256, block_kw=16, waves=3), KnConfig(block_n=64, block_kw=32, waves=6))]
             cands.append(WqPath("old", heuristic_config(1, n, k, group, sms, bits)))
     else:
         tiles = triton.cdiv(n, 64)
@@ -96,15 +97,14 @@ def candidates_for(m: int, n: int, k: int, group: int, bits: int, sms: int, has_
         cands += [WqPath("old", WqConfig("dot_join", 16, 32, 256, 1, num_warps=4, num_stages=3)),
                   WqPath("old", WqConfig("dot_join", 16, 64, 128, split64, num_warps=4, num_stages=4))]
         if has_kn and bits == 4:
+            # sm_90 ptxas, no spills: r4 n128 kw8 167 registers, r8 n64 kw8 167, r8 n128 kw8 230, r16 n64 249
             if m <= 4:
                 rows_tiles = ((m, 128, 8), (m, 256, 8))
             elif m <= 8:
-                rows_tiles = ((8, 64, 8), (8, 128, 8), (4, 128, 8))
+                rows_tiles = ((8, 64, 8), (4, 128, 8))
             else:
-                rows_tiles = ((16, 64, 8), (8, 64, 8), (8, 128, 8))
+                rows_tiles = ((16, 64, 8), (8, 64, 8))
             cands += [WqPath("kn", KnConfig(block_n=bn, block_kw=bkw, rows=r)) for r, bn, bkw in rows_tiles]
-            if m == 2:
-                cands.append(WqPath("kn", kn_m1_config(n, k)))  # one row per program, each tile read twice
     out: list[WqPath] = []
     for c in cands:
         if c not in out:
@@ -120,7 +120,7 @@ class WqDispatcher:
     """Per-shape path choice for wq_linear on CUDA. Not thread-safe (the model's thread uses it)."""
 
     def __init__(self, tune: bool | None = None) -> None:
-        self.tune = os.environ.get(TUNE_SWITCH, "1") != "0" if tune is None else tune
+        self.tune = os.environ.get(TUNE_SWITCH, "0") == "1" if tune is None else tune
         self.paths: dict[tuple, WqPath] = {}
         self.timings: dict[tuple, list[tuple[str, float]]] = {}
         self.rejected: dict[tuple, list[str]] = {}
