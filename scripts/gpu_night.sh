@@ -54,9 +54,10 @@ sel densecheck && stage densecheck ${DC_S:-115} python3 scripts/gpu_dense_decode
 sel specdense && stage specdense ${SD_S:-115} python3 scripts/gpu_spec_bench.py --only check_dense,forced_dense \
   --budget-s $(( ${SD_S:-115} - 5 ))
 sel wqsweep && stage wqsweep ${WQ_S:-130} python3 scripts/gpu_wq_bench.py --quick --sweep
-# Issue 15's repacked 4-bit decode GEMV (triton_wq_gemv_kn.py): checks, then old vs new per Qwen3-8B shape
-# and as the 36-layer step, M = 1 and 4 (LAMINA_WQ_GEMV=repack turns it on in the models).
-sel wqkn && stage wqkn ${WK_S:-300} python3 scripts/gpu_wq_kn_bench.py
+# Issue 15's 4-bit decode linears: every path wq_dispatch may pick checked first, then bf16 / old default /
+# new default / the dispatcher's timed picks per Qwen3-8B shape and as the 36-layer step, M = 1, 2, 4, 8, 16
+# (LAMINA_WQ_GEMV=repack builds the kn copy in the models; LAMINA_WQ_TUNE=0 keeps the untimed picks).
+sel wqkn && stage wqkn ${WK_S:-240} python3 scripts/gpu_wq_kn_bench.py --budget $(( ${WK_S:-240} - 45 ))
 sel moesweep && stage moesweep ${MS_S:-120} python3 scripts/moe_decode_sweep.py --budget $(( ${MS_S:-120} - 20 ))
 # The defaults set from the sweeps above (FP8 GEMV and blockwise _scaled_mm through fp8_linear).
 sel fp8check && stage fp8check ${FC_S:-40} python3 scripts/fp8_default_check.py

@@ -106,7 +106,6 @@ class GemvDispatcher:
         ref = F.linear(ref_in, weight, bias).float()
         epi, ref, pick = _sample_epilogue(epilogue, ref, x.dtype)
         flush = torch.ones(2 * _l2_bytes(x.device) // 4, dtype=torch.float32, device=x.device)
-        results: list[tuple[float, object]] = []
         cands = tg.candidate_configs(m, _out_rows(key[1], epilogue), key[2], sms)
         if prologue is not None or epilogue is not None:  # the plain shape's fastest few: each is a compile
             plain = key[:6]
@@ -116,27 +115,43 @@ class GemvDispatcher:
             if epilogue is not None and epilogue.kind != "add_norm":
                 cands = _act_epilogue_candidates(cands)
             cands = cands[:PROLOGUE_CANDIDATES]
-        for cfg in cands:
+
+        def run(cfg, out=None):
             ws = self._workspace(key, cfg, x.device, epilogue)
-            try:
-                y = tg.gemv(xb, weight, bias, cfg, ws, prologue=pro, epilogue=epi)
-                got = pick(y).float()
-                err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                if err < 2e-2:
-                    t = _graph_time_us(lambda cfg=cfg, ws=ws, y=y: tg.gemv(xb, weight, bias, cfg, ws, out=y,
-                                                                          prologue=pro, epilogue=epi), flush)
-                    results.append((t, cfg))
-                else:
-                    self.rejected.setdefault(key, []).append(f"{cfg.label()}: error {err:.1e}")
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or fit is no candidate
-                self.rejected.setdefault(key, []).append(f"{cfg.label()}: {type(exc).__name__}")
+            return tg.gemv(xb, weight, bias, cfg, ws, out=out, prologue=pro, epilogue=epi)
+
+        results, rejected = rank_configs(cands, run, ref, flush, label=lambda c: c.label(), pick=pick)
+        if rejected:
+            self.rejected.setdefault(key, []).extend(rejected)
         if not results:
             return tg.heuristic_config(m, _out_rows(key[1], epilogue), key[2], sms, allow_split=False)
-        results.sort(key=lambda r: r[0])
         self._ranked[key] = [c for _, c in results]
         self.timings[key] = [(c.label(), t) for t, c in results]
         self.configs[key] = results[0][1]
         return results[0][1]
+
+
+def rank_configs(cands, run, ref: torch.Tensor, flush: torch.Tensor, label=str, pick=lambda y: y,
+                 tol: float = 2e-2) -> tuple[list[tuple[float, object]], list[str]]:
+    """The tuner the decode dispatchers share (this one and wq_dispatch.WqDispatcher): each candidate runs
+    once, is checked against `ref` (relative error of pick(output) < tol), then timed by _graph_time_us with
+    its first output as `out`. run(cfg, out=None) -> output. Returns ([(us, cfg)] fastest first, [why each
+    rejected one was]); a candidate that fails to compile or fit is rejected, not raised."""
+    results: list[tuple[float, object]] = []
+    rejected: list[str] = []
+    for cfg in cands:
+        try:
+            y = run(cfg)
+            got = pick(y).float()
+            err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if err < tol:
+                results.append((_graph_time_us(lambda cfg=cfg, y=y: run(cfg, out=y), flush), cfg))
+            else:
+                rejected.append(f"{label(cfg)}: error {err:.1e}")
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile or fit is no candidate
+            rejected.append(f"{label(cfg)}: {type(exc).__name__}")
+    results.sort(key=lambda r: r[0])
+    return results, rejected
 
 
 def _sample_input(m: int, k: int, x: torch.Tensor, prologue):

@@ -172,6 +172,83 @@ def _kn_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K
             tl.atomic_xchg(lock_ptr + row * tl.num_programs(1) + tile, 0)
 
 
+@triton.jit
+def _kn_rows_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, ws_ptr, lock_ptr, M, N, KW, stride_xm, stride_qk,
+                    stride_sg, stride_ym, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_KW: tl.constexpr, STEPS: tl.constexpr, SPLIT_K, SPLIT_P2: tl.constexpr,
+                    ASM: tl.constexpr):
+    """ROWS rows of x per program (M = 2..16): each word is loaded and turned into floats once and used by
+    every row (the one-row kernel launches a program per row, each re-reading the tile from L2 and redoing
+    the nibble math: at M = 4 it ran at 0.36 TB/s on the qkv shape). Per nibble: ~1.5 ops shared + ROWS
+    FFMAs. The accumulators are [ROWS, BLOCK_KW, BLOCK_N]: the config keeps ROWS x BLOCK_KW x BLOCK_N small."""
+    group = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_r = group * ROWS + tl.arange(0, ROWS)
+    mask_r = offs_r < M
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    # Every tensor is 3-D [ROWS, BLOCK_KW, BLOCK_N] (size 1 where broadcast), loads included: with 2-D word
+    # loads broadcast into 3-D, the layout pass gave the loads and the products different layouts and moved
+    # every plane through shared memory (8 convert_layouts per step, spills: sm_90 TTGIR / ptxas).
+    n3 = offs_n[None, None, :]
+    x_rows = x_ptr + offs_r[:, None, None] * stride_xm  # [ROWS, 1, 1]
+    acc = tl.zeros((ROWS, BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    for i in range(split * STEPS, split * STEPS + STEPS):
+        kw = (i * BLOCK_KW + tl.arange(0, BLOCK_KW))[None, :, None]  # [1, BLOCK_KW, 1]
+        mask_k = kw < KW
+        m3 = mask_k & mask_n[None, None, :]
+        words = tl.load(q_ptr + kw * stride_qk + n3, mask=m3, other=0).to(tl.uint32, bitcast=True)
+        sp = ((kw * 8) // GROUP) * stride_sg + n3
+        s = tl.load(s_ptr + sp, mask=m3, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + sp, mask=m3, other=0.0).to(tl.float32)
+        xb = x_rows + kw * 8  # [ROWS, BLOCK_KW, 1]
+        xm = mask_r[:, None, None] & mask_k
+        x0 = tl.load(xb + 0, mask=xm, other=0.0).to(tl.float32)
+        x1 = tl.load(xb + 1, mask=xm, other=0.0).to(tl.float32)
+        x2 = tl.load(xb + 2, mask=xm, other=0.0).to(tl.float32)
+        x3 = tl.load(xb + 3, mask=xm, other=0.0).to(tl.float32)
+        x4 = tl.load(xb + 4, mask=xm, other=0.0).to(tl.float32)
+        x5 = tl.load(xb + 5, mask=xm, other=0.0).to(tl.float32)
+        x6 = tl.load(xb + 6, mask=xm, other=0.0).to(tl.float32)
+        x7 = tl.load(xb + 7, mask=xm, other=0.0).to(tl.float32)
+        even = x0 + x2 + x4 + x6
+        odd = x1 + x3 + x5 + x7
+        d = -(256.0 * even + 16.0 * odd)  # the biases of _pair, per row (see _step)
+        a0, a1 = _pair(words, 15, ASM)
+        d = d + a0 * x0
+        d = d + a1 * x1
+        a2, a3 = _pair(words, 7, ASM)
+        d = d + a2 * x2
+        d = d + a3 * x3
+        a4, a5 = _pair(words, -1, ASM)
+        d = d + a4 * x4
+        d = d + a5 * x5
+        a6, a7 = _pair(words, -9, ASM)
+        d = d + a6 * x6
+        d = d + a7 * x7
+        acc = acc + s * d
+        acc = acc + o * (even + odd)
+    y = tl.sum(acc, axis=1)  # [ROWS, BLOCK_N]
+    y_ptrs = y_ptr + offs_r[:, None] * stride_ym + offs_n[None, :]
+    ymask = mask_r[:, None] & mask_n[None, :]
+    if SPLIT_P2 == 1:
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=ymask)
+    else:  # the one-row kernel's semaphore reduction, a [ROWS, BLOCK_N] partial per split
+        lock = lock_ptr + group * tl.num_programs(1) + tile
+        slot = (group * tl.num_programs(1) + tile) * SPLIT_K
+        part = tl.arange(0, ROWS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(ws_ptr + (slot + split) * (ROWS * BLOCK_N) + part, y, cache_modifier=".cg")
+        tl.debug_barrier()
+        done = tl.atomic_add(lock, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            offs_j = tl.arange(0, SPLIT_P2)
+            parts = tl.load(ws_ptr + (slot + offs_j)[:, None, None] * (ROWS * BLOCK_N) + part[None, :, :],
+                            mask=(offs_j < SPLIT_K)[:, None, None], other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=ymask)
+            tl.atomic_xchg(lock, 0)
+
+
 @dataclass(frozen=True)
 class KnConfig:
     block_n: int = 256
@@ -180,14 +257,16 @@ class KnConfig:
     num_warps: int = 4
     waves: int = 4
     asm: bool = True  # the one-LOP3 nibble (CUDA only; False: the & | pair, for A/B)
+    rows: int = 1  # rows of x per program (power of two): 1 the one-row kernel, > 1 _kn_rows_kernel
 
 
-def plan(n: int, kw: int, sms: int, cfg: KnConfig) -> tuple[int, int, int]:
+def plan(n: int, kw: int, sms: int, cfg: KnConfig, row_groups: int = 1) -> tuple[int, int, int]:
     """(block_kw, steps per split, splits): splits chosen for ~cfg.waves programs per SM, then trimmed so
-    that every split has work (each must count itself in the semaphore)."""
+    that every split has work (each must count itself in the semaphore). row_groups: programs along M (the
+    multi-row kernel's; the one-row kernel's plan ignores M, as it was measured)."""
     block_kw = min(cfg.block_kw, triton.next_power_of_2(kw))
     steps = triton.cdiv(kw, block_kw)
-    tiles = triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(n, cfg.block_n) * row_groups
     # floor: a multi-step program holds ~165 registers (3 per SM), so rounding up can spill into a tail wave
     want = cfg.split_k or max(1, min(steps, cfg.waves * sms // tiles))
     per = triton.cdiv(steps, want)
@@ -199,19 +278,26 @@ def kn_gemv(x: torch.Tensor, w: KnWeight, cfg: KnConfig | None = None, sms: int 
     cfg = cfg or KnConfig()
     m, k = x.shape
     kw, n = w.q.shape
-    if k != 8 * kw or m > MAX_ROWS or cfg.block_n < 16:
+    if k != 8 * kw or m > MAX_ROWS or cfg.block_n < 16 or cfg.rows & (cfg.rows - 1):
         raise ValueError(f"kn_gemv: x {tuple(x.shape)} against a [{8 * kw}, {n}] weight (M <= {MAX_ROWS})")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if sms is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
-    block_kw, steps, splits = plan(n, kw, sms, cfg)
+    rows = max(1, cfg.rows)
+    groups = triton.cdiv(m, rows)
+    block_kw, steps, splits = plan(n, kw, sms, cfg, groups if rows > 1 else 1)
     tiles = triton.cdiv(n, cfg.block_n)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    ws = torch.empty((m * tiles * splits * cfg.block_n,) if splits > 1 else (1,), device=x.device,
+    ws = torch.empty((groups * rows * tiles * splits * cfg.block_n,) if splits > 1 else (1,), device=x.device,
                      dtype=torch.float32)
-    _kn_gemv_kernel[(m, tiles, splits)](
-        x, w.q, w.scales, w.offsets, y, ws, w.locks, m, n, kw, x.stride(0), w.q.stride(0), w.scales.stride(0),
-        y.stride(0), GROUP=w.group, BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, STEPS=steps, SPLIT_K=splits,
-        SPLIT_P2=triton.next_power_of_2(splits), ASM=cfg.asm and x.is_cuda, num_warps=cfg.num_warps, num_stages=1)
+    args = (x, w.q, w.scales, w.offsets, y, ws, w.locks, m, n, kw, x.stride(0), w.q.stride(0), w.scales.stride(0),
+            y.stride(0))
+    meta = dict(GROUP=w.group, BLOCK_N=cfg.block_n, BLOCK_KW=block_kw, STEPS=steps, SPLIT_K=splits,
+                SPLIT_P2=triton.next_power_of_2(splits), ASM=cfg.asm and x.is_cuda, num_warps=cfg.num_warps,
+                num_stages=1)
+    if rows > 1:
+        _kn_rows_kernel[(groups, tiles, splits)](*args, ROWS=rows, **meta)
+    else:
+        _kn_gemv_kernel[(m, tiles, splits)](*args, **meta)
     return y

@@ -9,9 +9,10 @@ repacked into it at load time:
   + offsets[n, k // group]. (GPTQ's s * (q - z) is q * s - s * z; GGUF Q4_1's d * q + m is itself; the
   K-quants' d * sc * q - dmin * m too. fp16 holds the products to 2^-11 relative, far below a 4-bit step.)
 
-`dequantize` is the reference (and the test oracle); `wq_linear` dispatches: the Triton kernel on CUDA
-(triton_wq_matmul.py, dequantizing in registers), torch's packed int4 CPU matmul for 4-bit weights on the
-CPU (`CpuInt4Pack`, prepared once after loading), and dequantize + F.linear otherwise.
+`dequantize` is the reference (and the test oracle); `wq_linear` dispatches: the Triton kernels on CUDA
+(wq_dispatch.py picks triton_wq_matmul.py's or the repacked triton_wq_gemv_kn.py's per M, dequantizing in
+registers), torch's packed int4 CPU matmul for 4-bit weights on the CPU (`CpuInt4Pack`, prepared once
+after loading), and dequantize + F.linear otherwise.
 """
 from __future__ import annotations
 
@@ -94,11 +95,6 @@ def cpu_int4_ok(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> bool:
     return group in CPU_INT4_GROUPS and k % group == 0 and hasattr(torch, "_weight_int4pack_mm_for_cpu")
 
 
-# Rows of x up to which the repacked GEMV (kn) serves a 4-bit weight that has one: it launches one program
-# row per x row, re-reading the tile from L2, so above a few rows the tensor-core path is the better bet.
-KN_MAX_ROWS = 4
-
-
 def kn_wanted(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> bool:
     """Whether the format's finish_loading builds the repacked decode-GEMV copy: LAMINA_WQ_GEMV=repack, a
     4-bit CUDA weight, K whole words and groups of a multiple of 8 columns (GPTQ/AWQ/CT g128, GGUF g32)."""
@@ -117,19 +113,14 @@ def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs
     perm: input-column order of the stored weight (act-order GPTQ stores columns sorted by group; the
     activations are gathered to match). cpu_pack / cpu_dense: prepared CPU forms (see the format's
     finish_loading); without them the CPU dequantizes on every call (the reference). kn: the repacked
-    decode-GEMV copy (triton_wq_gemv_kn.KnWeight), used for M <= KN_MAX_ROWS."""
+    decode-GEMV copy (triton_wq_gemv_kn.KnWeight). On CUDA wq_dispatch picks the kernel per M (its table)."""
     if perm is not None:
         x = x.index_select(-1, perm)
     x2 = x.reshape(-1, x.shape[-1])
-    if kn is not None and x2.shape[0] <= KN_MAX_ROWS and use_triton(x2) and \
-            x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from lamina.kernels.triton_wq_gemv_kn import kn_gemv
+    if use_triton(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from lamina.kernels.wq_dispatch import process_dispatcher
 
-        y = kn_gemv(x2, kn)
-    elif use_triton(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from lamina.kernels.triton_wq_matmul import wq_matmul
-
-        y = wq_matmul(x2, qweight, scales, offsets, bits)
+        y = process_dispatcher()(x2, qweight, scales, offsets, bits, kn)
     elif cpu_pack is not None:
         y = cpu_pack.matmul(x2)
     elif cpu_dense is not None:
