@@ -116,7 +116,8 @@ def fp8_v_words(q: torch.Tensor, v_cache: torch.Tensor, cfg: DecodeConfig) -> bo
     """Whether an FP8 V cache is read as words (_load_v_words): compiled kernels only (inline PTX; the
     interpreter runs the plain widening), whole 4-byte words per row; LAMINA_FP8_V_WORDS=0 turns it off."""
     dv = v_cache.shape[-1]
-    return (v_cache.dtype == torch.float8_e4m3fn and cfg.v_words and q.is_cuda and dv % 4 == 0
+    words = dv % 4 == 0 and all(st % 4 == 0 for st in v_cache.stride()[:3]) and v_cache.data_ptr() % 4 == 0
+    return (v_cache.dtype == torch.float8_e4m3fn and cfg.v_words and q.is_cuda and words
             and dv == triton.next_power_of_2(dv) and os.environ.get("TRITON_INTERPRET") != "1"
             and os.environ.get("LAMINA_FP8_V_WORDS", "1") != "0")
 
