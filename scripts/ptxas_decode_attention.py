@@ -78,7 +78,7 @@ def main() -> None:
         for direct in (True, False):
             consts = dict(PREP_OFF, G=g, HEADS=h, M_PAD=max(16, g * h), BLOCK_N=n, D=128, BLOCK_D=128, DV=128,
                           BLOCK_DV=128, PAGE=16, SLIDING=False, DIRECT=direct, DOT_PREC="tf32", SOFTCAP=False,
-                          IDS_AHEAD=ahead, V_WORDS=bool(args.fp8 and args.words))
+                          IDS_AHEAD=ahead, V_WORDS=2 * bool(args.fp8 and args.words))
             name = f"decode h{h} n{n} w{w} s{s} ahead={int(ahead)} {'direct' if direct else 'split '}"
             try:
                 compile_report(tda._decode_packed_kernel, sig, consts, aligned, w, s, name)

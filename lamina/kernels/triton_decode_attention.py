@@ -41,7 +41,7 @@ class DecodeConfig:
     warps: int = 8
     stages: int = 2
     ids_ahead: bool = False
-    v_words: bool = True  # FP8 cache, compiled: V read as 32-bit words and widened in registers (_load_v_words)
+    v_words: bool = True  # FP8 cache: V read as 32-bit words and widened in registers (fp8_v_words)
 
 
 # (dtype class, head-dim class, regime) -> config; regime from the batch alone (decode_regime). Measured
@@ -112,18 +112,25 @@ def decode_config(dtype: torch.dtype, d_max: int, num_seqs: int, num_kv_heads: i
                          decode_regime(num_seqs, num_kv_heads, sms))]
 
 
-def fp8_v_words(q: torch.Tensor, v_cache: torch.Tensor, cfg: DecodeConfig) -> bool:
-    """Whether an FP8 V cache is read as words (_load_v_words): compiled kernels only (inline PTX; the
-    interpreter runs the plain widening), whole 4-byte words per row; LAMINA_FP8_V_WORDS=0 turns it off."""
+def fp8_v_words(q: torch.Tensor, v_cache: torch.Tensor, cfg: DecodeConfig) -> int:
+    """How an FP8 V cache is read: 0 plain (`.to(f16)`), 1 as words split by shifts (the interpreter's
+    stand-in for 2: the same word layout, checked on the CPU), 2 as words widened by inline PTX
+    (_load_v_words; compiled kernels). Words need whole 4-byte rows; LAMINA_FP8_V_WORDS=0 turns them off."""
     dv = v_cache.shape[-1]
     words = dv % 4 == 0 and all(st % 4 == 0 for st in v_cache.stride()[:3]) and v_cache.data_ptr() % 4 == 0
-    return (v_cache.dtype == torch.float8_e4m3fn and cfg.v_words and q.is_cuda and words
-            and dv == triton.next_power_of_2(dv) and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("LAMINA_FP8_V_WORDS", "1") != "0")
+    if not (v_cache.dtype == torch.float8_e4m3fn and cfg.v_words and words and dv == triton.next_power_of_2(dv)
+            and os.environ.get("LAMINA_FP8_V_WORDS", "1") != "0"):
+        return 0
+    return 2 if q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" else 1
 
 
 @triton.jit
-def _load_v_words(vc_ptr, v_off, kmask, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _byte_e4m3(words, shift: tl.constexpr):
+    return ((words >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _load_v_words(vc_ptr, v_off, kmask, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, ASM: tl.constexpr):
     """An FP8 V tile [BLOCK_N, BLOCK_DV] read as 32-bit words (4 e4m3 each) and widened to f16 in registers by
     two packed converts per word. A plain `v.to(f16)` leaves Triton converting after the dot-operand shared
     load, and an 8-bit B operand that is not K-major comes out of shared memory one byte at a time (ptxas:
@@ -131,11 +138,19 @@ def _load_v_words(vc_ptr, v_off, kmask, BLOCK_N: tl.constexpr, BLOCK_DV: tl.cons
     w = tl.arange(0, BLOCK_DV // 4)
     words = tl.load(vc_ptr.to(tl.pointer_type(tl.int32)) + (v_off // 4)[:, None] + w[None, :],
                     mask=kmask[:, None], other=0)
-    b0, b1, b2, b3 = tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
-        "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
-        "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    return tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (BLOCK_N, BLOCK_DV))
+    if ASM:  # byte i of a word (little-endian: element 4j + i) -> b_i; cvt puts a b16's high byte high
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
+            "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
+    else:  # the same split by shifts (the interpreter has no PTX)
+        b0 = _byte_e4m3(words, 0)
+        b1 = _byte_e4m3(words, 8)
+        b2 = _byte_e4m3(words, 16)
+        b3 = _byte_e4m3(words, 24)
+    # join appends its axis last: [.., j, i, o] = join(join(b0, b2), join(b1, b3)) is element 4j + 2i + o
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_DV))
 
 
 # Per-batch integers are not specialized on (value 1, divisibility by 16): a new batch size or window must
@@ -152,7 +167,7 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
                           k_ptr=None, v_ptr=None, pos_ptr=None, slot_ptr=None, cs_ptr=None, qw_ptr=None,
                           kw_ptr=None, stride_nkt=0, stride_nkh=0, stride_nvt=0, stride_nvh=0, stride_cs=0,
                           eps=0.0, norm_off=0.0, PREP: tl.constexpr = False, ROT: tl.constexpr = 0,
-                          HAS_NORM: tl.constexpr = False, V_WORDS: tl.constexpr = False):
+                          HAS_NORM: tl.constexpr = False, V_WORDS: tl.constexpr = 0):
     # PREP (decode_prep: the attention prep folded in): q is the projection's raw q; each program normalizes
     # and rotates its own query rows (a few KB, redone by each split: cheaper than a launch), and the one split
     # whose range holds the new token (position seq_len - 1) normalizes and rotates that token's k of its KV
@@ -263,7 +278,7 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = blk * stride_vb + slot * stride_vt + v_head
         if KV8 and V_WORDS:  # (DV == BLOCK_DV, DV % 4 == 0: checked by the launcher)
-            v = _load_v_words(vc_ptr, v_off, kmask, BLOCK_N * HEADS, BLOCK_DV)
+            v = _load_v_words(vc_ptr, v_off, kmask, BLOCK_N * HEADS, BLOCK_DV, V_WORDS == 2)
         else:
             v = tl.load(vc_ptr + v_off[:, None] + dv[None, :], mask=kmask[:, None] & (dv < DV)[None, :], other=0.0)
             v = v.to(qt.dtype)  # an FP8 cache is widened in registers (a no-op for a cache in q's dtype)

@@ -107,7 +107,7 @@ def test_packed_decode_fp8_scales(ks, vs, window, softcap):
     for qd in DTYPES:
         for tune, splits in (({}, None), ({"decode_heads": 2, "decode_block_n": 16}, 4),
                              ({"decode_block_n": 32, "decode_ids_ahead": True}, 1)):
-            for words in (True, False) if CUDA else (True,):
+            for words in (True, False):
                 out = paged_attention_triton(q.to(qd), kc8, vc8, meta, 128 ** -0.5 * ks, window, softcap=softcap,
                                              out=torch.full_like(q.to(qd), float("nan")), num_splits=splits,
                                              tune={**tune, "decode_v_words": words}, poison_workspace=True)
