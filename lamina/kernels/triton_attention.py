@@ -239,8 +239,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     prec = _dot_prec(q.dtype)
     tune = tune or {}
+    decode_only = ("decode_heads", "decode_ids_ahead", "decode_v_words")  # DecodeConfig fields Tiles lacks
     tiles = dataclasses.replace(_tiles(q.dtype, max(block_d, block_dv)),
-                                **{k: v for k, v in tune.items() if k not in ("decode_heads", "decode_ids_ahead")})
+                                **{k: v for k, v in tune.items() if k not in decode_only})
 
     if have_decode:
         scalars = (scale_log2, cap_log2, window, sliding, capped)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -40,6 +41,7 @@ class DecodeConfig:
     warps: int = 8
     stages: int = 2
     ids_ahead: bool = False
+    v_words: bool = True  # FP8 cache: V read as 32-bit words and widened in registers (fp8_v_words)
 
 
 # (dtype class, head-dim class, regime) -> config; regime from the batch alone (decode_regime). Measured
@@ -57,6 +59,16 @@ DECODE_TABLE: dict[tuple[str, int, str], DecodeConfig] = {
     ("16", 256, "direct"): DecodeConfig(1, 32, 4, 2, False),  # no spills (ptxas); never run on a GPU
     ("16", 256, "split"): DecodeConfig(1, 32, 4, 2, False),
     ("16", 256, "wide"): DecodeConfig(1, 32, 4, 2, False),
+    # FP8 cache (16-bit q): tokens per step doubled where that keeps bf16's shared memory and occupancy (V is
+    # staged as f16 for the PV dot, so a 128-token FP8 step takes the 72 KB a 128-token bf16 step does). ptxas
+    # (scripts/ptxas_decode_attention.py --fp8): direct 80 registers / 72 KB (3 CTAs per SM), split and wide
+    # 114 / 104 KB (2 CTAs). Unmeasured: `scripts/gpu_kv_attention.py` sweeps them against the bf16 table.
+    ("8", 128, "direct"): DecodeConfig(1, 128, 8, 2, False),
+    ("8", 128, "split"): DecodeConfig(1, 128, 8, 3, True),
+    ("8", 128, "wide"): DecodeConfig(1, 128, 8, 3, True),
+    ("8", 256, "direct"): DecodeConfig(1, 32, 4, 2, False),
+    ("8", 256, "split"): DecodeConfig(1, 32, 4, 2, False),
+    ("8", 256, "wide"): DecodeConfig(1, 32, 4, 2, False),
 }
 
 
@@ -91,11 +103,54 @@ def decode_regime(num_seqs: int, num_kv_heads: int, sms: int) -> str:
     return "direct" if s == 1 else "split" if s < 16 else "wide"
 
 
-def decode_config(dtype: torch.dtype, d_max: int, num_seqs: int, num_kv_heads: int, sms: int) -> DecodeConfig:
-    """The table's configuration for a batch (d_max: the larger padded head dim of K and V)."""
+def decode_config(dtype: torch.dtype, d_max: int, num_seqs: int, num_kv_heads: int, sms: int,
+                  kv8: bool = False) -> DecodeConfig:
+    """The table's configuration for a batch (d_max: the larger padded head dim of K and V; kv8: FP8 cache)."""
     if dtype == torch.float32:
         return _fp32_config(d_max)
-    return DECODE_TABLE[("16", 128 if d_max <= 128 else 256, decode_regime(num_seqs, num_kv_heads, sms))]
+    return DECODE_TABLE[("8" if kv8 else "16", 128 if d_max <= 128 else 256,
+                         decode_regime(num_seqs, num_kv_heads, sms))]
+
+
+def fp8_v_words(q: torch.Tensor, v_cache: torch.Tensor, cfg: DecodeConfig) -> int:
+    """How an FP8 V cache is read: 0 plain (`.to(f16)`), 1 as words split by shifts (the interpreter's
+    stand-in for 2: the same word layout, checked on the CPU), 2 as words widened by inline PTX
+    (_load_v_words; compiled kernels). Words need whole 4-byte rows; LAMINA_FP8_V_WORDS=0 turns them off."""
+    dv = v_cache.shape[-1]
+    words = dv % 4 == 0 and all(st % 4 == 0 for st in v_cache.stride()[:3]) and v_cache.data_ptr() % 4 == 0
+    if not (v_cache.dtype == torch.float8_e4m3fn and cfg.v_words and words and dv == triton.next_power_of_2(dv)
+            and os.environ.get("LAMINA_FP8_V_WORDS", "1") != "0"):
+        return 0
+    return 2 if q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" else 1
+
+
+@triton.jit
+def _byte_e4m3(words, shift: tl.constexpr):
+    return ((words >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _load_v_words(vc_ptr, v_off, kmask, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, ASM: tl.constexpr):
+    """An FP8 V tile [BLOCK_N, BLOCK_DV] read as 32-bit words (4 e4m3 each) and widened to f16 in registers by
+    two packed converts per word. A plain `v.to(f16)` leaves Triton converting after the dot-operand shared
+    load, and an 8-bit B operand that is not K-major comes out of shared memory one byte at a time (ptxas:
+    64 ld.shared.b8 per thread per 64-token tile); words, joins and a reshape keep that step in f16."""
+    w = tl.arange(0, BLOCK_DV // 4)
+    words = tl.load(vc_ptr.to(tl.pointer_type(tl.int32)) + (v_off // 4)[:, None] + w[None, :],
+                    mask=kmask[:, None], other=0)
+    if ASM:  # byte i of a word (little-endian: element 4j + i) -> b_i; cvt puts a b16's high byte high
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
+            "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
+    else:  # the same split by shifts (the interpreter has no PTX)
+        b0 = _byte_e4m3(words, 0)
+        b1 = _byte_e4m3(words, 8)
+        b2 = _byte_e4m3(words, 16)
+        b3 = _byte_e4m3(words, 24)
+    # join appends its axis last: [.., j, i, o] = join(join(b0, b2), join(b1, b3)) is element 4j + 2i + o
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_DV))
 
 
 # Per-batch integers are not specialized on (value 1, divisibility by 16): a new batch size or window must
@@ -112,7 +167,7 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
                           k_ptr=None, v_ptr=None, pos_ptr=None, slot_ptr=None, cs_ptr=None, qw_ptr=None,
                           kw_ptr=None, stride_nkt=0, stride_nkh=0, stride_nvt=0, stride_nvh=0, stride_cs=0,
                           eps=0.0, norm_off=0.0, PREP: tl.constexpr = False, ROT: tl.constexpr = 0,
-                          HAS_NORM: tl.constexpr = False):
+                          HAS_NORM: tl.constexpr = False, V_WORDS: tl.constexpr = 0):
     # PREP (decode_prep: the attention prep folded in): q is the projection's raw q; each program normalizes
     # and rotates its own query rows (a few KB, redone by each split: cheaper than a launch), and the one split
     # whose range holds the new token (position seq_len - 1) normalizes and rotates that token's k of its KV
@@ -169,6 +224,11 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
     else:
         qt = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
 
+    KV8: tl.constexpr = kc_ptr.dtype.element_ty == tl.float8e4nv
+    if KV8:
+        # FP8 cache: both dots run in f16 (e4m3 -> f16 is one packed cvt per two elements and exact; -> bf16
+        # costs two more converts per element), and the softmax scale (with k_scale) is folded into q once.
+        qt = (qt.to(tl.float32) * scale_log2).to(tl.float16)
     c = tl.arange(0, BLOCK_N * HEADS)  # key column c: token c // HEADS of the step, KV head kvh0 + c % HEADS
     ctok = c // HEADS
     chead = kvh0 + c % HEADS
@@ -202,7 +262,9 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
         slot = (kpos % PAGE).to(tl.int64)
         k_off = blk * stride_kb + slot * stride_kt + k_head
         k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kmask[None, :] & (d < D)[:, None], other=0.0)
-        s = tl.dot(qt, k.to(qt.dtype), input_precision=DOT_PREC) * scale_log2
+        s = tl.dot(qt, k.to(qt.dtype), input_precision=DOT_PREC)
+        if not KV8:
+            s = s * scale_log2
         if SOFTCAP:
             # tanh(x) = 2 / (1 + exp(-2x)) - 1: saturates to +-1 without inf/inf for large |x|.
             s = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * cap_log2
@@ -217,8 +279,11 @@ def _decode_packed_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, 
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = blk * stride_vb + slot * stride_vt + v_head
-        v = tl.load(vc_ptr + v_off[:, None] + dv[None, :], mask=kmask[:, None] & (dv < DV)[None, :], other=0.0)
-        v = v.to(qt.dtype)  # an FP8 cache is widened in registers (a no-op for a cache in q's dtype)
+        if KV8 and V_WORDS:  # (DV == BLOCK_DV, DV % 4 == 0: checked by the launcher)
+            v = _load_v_words(vc_ptr, v_off, kmask, BLOCK_N * HEADS, BLOCK_DV, V_WORDS == 2)
+        else:
+            v = tl.load(vc_ptr + v_off[:, None] + dv[None, :], mask=kmask[:, None] & (dv < DV)[None, :], other=0.0)
+            v = v.to(qt.dtype)  # an FP8 cache is widened in registers (a no-op for a cache in q's dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     if DIRECT:
@@ -278,7 +343,8 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
     g, b = hq // hkv, meta.num_seqs
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     sms = device_sms(q.device)
-    cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms), **(tune or {}))
+    kv8 = k_cache.dtype == torch.float8_e4m3fn
+    cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms, kv8), **(tune or {}))
     heads, groups, splits = plan_splits(b, hkv, cfg.heads, sms)
     splits = num_splits or splits
     assert splits & (splits - 1) == 0 and splits <= 256, splits
@@ -300,7 +366,7 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
         v_cache.stride(2),
         G=g, HEADS=heads, M_PAD=m_pad, BLOCK_N=block_n, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page,
         SLIDING=sliding, DIRECT=splits == 1, DOT_PREC=prec, SOFTCAP=capped, IDS_AHEAD=cfg.ids_ahead,
-        num_warps=cfg.warps,
+        V_WORDS=fp8_v_words(q, v_cache, cfg), num_warps=cfg.warps,
         num_stages=cfg.stages, **(_prep_args(prep) if prep is not None else {}))
     if splits > 1:
         _decode_combine_kernel[(b, hq)](out, po, pm, pl, qs, hq, out.stride(0), out.stride(1), DV=dv,

@@ -92,6 +92,35 @@ def test_packed_decode_reads_fp8_caches():
             assert rel_err(_run(q.to(qd), kc8, vc8, meta, heads=heads, splits=splits, ahead=ahead), oracle) < TOL[qd]
 
 
+@pytest.mark.parametrize("ks, vs, window, softcap", [(1.0, 1.0, None, None), (0.37, 2.5, 40, 30.0)])
+def test_packed_decode_fp8_scales(ks, vs, window, softcap):
+    """An FP8 cache holding K/ks and V/vs, read as the layer does (softmax scale * ks, output * vs), against
+    the reference on the dequantized cache; the tables' FP8 configs and forced ones, V read as words and
+    widened plainly (the words path is compiled-only: on the GPU both run)."""
+    from lamina.kernels.triton_attention import paged_attention_triton
+
+    q, kc, vc, meta = _decode_step("g4_d128", DT, seed=13)
+    kc8, vc8 = ((c.cpu().float() / s).to(FP8) for c, s in ((kc, ks), (vc, vs)))
+    oracle = paged_attention_ref(q.float().cpu(), kc8.float().nan_to_num(0) * ks, vc8.float().nan_to_num(0) * vs,
+                                 _cpu(meta), 128 ** -0.5, window, softcap)
+    kc8, vc8 = kc8.to(DEV), vc8.to(DEV)
+    for qd in DTYPES:
+        for tune, splits in (({}, None), ({"decode_heads": 2, "decode_block_n": 16}, 4),
+                             ({"decode_block_n": 32, "decode_ids_ahead": True}, 1)):
+            for words in (True, False):
+                out = paged_attention_triton(q.to(qd), kc8, vc8, meta, 128 ** -0.5 * ks, window, softcap=softcap,
+                                             out=torch.full_like(q.to(qd), float("nan")), num_splits=splits,
+                                             tune={**tune, "decode_v_words": words}, poison_workspace=True)
+                assert rel_err(out.float() * vs, oracle) < TOL[qd], (qd, tune, splits, words)
+
+
+def _cpu(meta):
+    import dataclasses
+
+    return dataclasses.replace(meta, slot_mapping=meta.slot_mapping.cpu(), query_start=meta.query_start.cpu(),
+                               seq_lens=meta.seq_lens.cpu(), block_tables=meta.block_tables.cpu(), ref_plan=None)
+
+
 def test_old_and_new_decode_agree():
     q, kc, vc, meta = _decode_step("g2_d128_qwen06b", DT, seed=11)
     for splits in (None, 1, 4):
