@@ -27,12 +27,10 @@ def compile_sm90(fn, sig: dict, consts: dict, warps: int = 4, stages: int = 2):
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def decode_prep():
-    """The packed decode attention kernel with the attention prep folded in (PREP), split and direct, with and
-    without the block ids loaded a step ahead."""
-    from lamina.kernels import triton_decode_attention as tda
+def _decode_sig(cache: str) -> dict:
+    sig = dict.fromkeys(["q_ptr", "o_ptr"], "*bf16")
+    sig.update(kc_ptr=cache, vc_ptr=cache)
 
-    sig = dict.fromkeys(["q_ptr", "kc_ptr", "vc_ptr", "o_ptr"], "*bf16")
     sig.update(dict.fromkeys(["po_ptr", "pm_ptr", "pl_ptr"], "*fp32"))
     sig.update(dict.fromkeys(["bt_ptr", "seq_lens_ptr", "qs_ptr"], "*i32"))
     sig.update(scale_log2="fp32", cap_log2="fp32")
@@ -42,15 +40,38 @@ def decode_prep():
     sig.update(k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64", slot_ptr="*i64", cs_ptr="*fp32", qw_ptr="*bf16",
                kw_ptr="*bf16", eps="fp32", norm_off="fp32")
     sig.update(dict.fromkeys(["stride_nkt", "stride_nkh", "stride_nvt", "stride_nvh", "stride_cs"], "i32"))
+    return sig
+
+
+def decode_prep():
+    """The packed decode attention kernel with the attention prep folded in (PREP), split and direct, with and
+    without the block ids loaded a step ahead."""
+    from lamina.kernels import triton_decode_attention as tda
+
+    sig = _decode_sig("*bf16")
     for ahead in (False, True):
         for direct in (False, True):
             consts = dict(G=4, HEADS=1, M_PAD=16, BLOCK_N=64, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, PAGE=16,
                           SLIDING=False, DIRECT=direct, DOT_PREC="tf32", SOFTCAP=False, IDS_AHEAD=ahead, PREP=True,
-                          ROT=128, HAS_NORM=True)
+                          ROT=128, HAS_NORM=True, V_WORDS=0)
             yield f"decode_prep ahead={ahead} direct={direct}", tda._decode_packed_kernel, sig, consts
 
 
-GROUPS = {"decode_prep": decode_prep}
+def decode_fp8():
+    """Decode attention over an FP8 cache: V read plain, as words split by shifts, as words through the inline
+    PTX converts (V_WORDS 0/1/2), with the FP8 table's 128-token steps; with the prep folded in too."""
+    from lamina.kernels import triton_decode_attention as tda
+
+    sig = _decode_sig("*fp8e4nv")
+    for words in (0, 1, 2):
+        for prep in (False, True):
+            consts = dict(G=4, HEADS=1, M_PAD=16, BLOCK_N=128, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, PAGE=16,
+                          SLIDING=False, DIRECT=False, DOT_PREC="tf32", SOFTCAP=False, IDS_AHEAD=True, PREP=prep,
+                          ROT=128 if prep else 0, HAS_NORM=prep, V_WORDS=words)
+            yield f"decode_fp8 v_words={words} prep={prep}", tda._decode_packed_kernel, sig, consts
+
+
+GROUPS = {"decode_prep": decode_prep, "decode_fp8": decode_fp8}
 
 
 def main(names: list[str]) -> int:

@@ -41,7 +41,7 @@ class DecodeConfig:
     warps: int = 8
     stages: int = 2
     ids_ahead: bool = False
-    v_words: bool = True  # FP8 cache: V read as 32-bit words and widened in registers (fp8_v_words)
+    v_words: bool = False  # FP8 cache: V read as 32-bit words and widened in registers (fp8_v_words)
 
 
 # (dtype class, head-dim class, regime) -> config; regime from the batch alone (decode_regime). Measured
@@ -115,13 +115,21 @@ def decode_config(dtype: torch.dtype, d_max: int, num_seqs: int, num_kv_heads: i
 def fp8_v_words(q: torch.Tensor, v_cache: torch.Tensor, cfg: DecodeConfig) -> int:
     """How an FP8 V cache is read: 0 plain (`.to(f16)`), 1 as words split by shifts (the interpreter's
     stand-in for 2: the same word layout, checked on the CPU), 2 as words widened by inline PTX
-    (_load_v_words; compiled kernels). Words need whole 4-byte rows; LAMINA_FP8_V_WORDS=0 turns them off."""
+    (_load_v_words; compiled kernels). Words need whole 4-byte rows; cfg.v_words asks for them."""
     dv = v_cache.shape[-1]
     words = dv % 4 == 0 and all(st % 4 == 0 for st in v_cache.stride()[:3]) and v_cache.data_ptr() % 4 == 0
-    if not (v_cache.dtype == torch.float8_e4m3fn and cfg.v_words and words and dv == triton.next_power_of_2(dv)
-            and os.environ.get("LAMINA_FP8_V_WORDS", "1") != "0"):
+    if not (v_cache.dtype == torch.float8_e4m3fn and cfg.v_words and words and dv == triton.next_power_of_2(dv)):
         return 0
-    return 2 if q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" else 1
+    # The packed e4m3x2 -> f16x2 convert is sm_89+; older GPUs and the interpreter split words by shifts.
+    if not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return 1
+    return 2 if torch.cuda.get_device_capability(q.device) >= (8, 9) else 1
+
+
+def fp8_words_wanted() -> bool:
+    """LAMINA_FP8_V_WORDS=1: an FP8 cache decodes with the FP8 table rows and V read as words (opt-in until
+    timed on a GPU; `tune={"decode_v_words": ...}` overrides per call)."""
+    return os.environ.get("LAMINA_FP8_V_WORDS", "0") == "1"
 
 
 @triton.jit
@@ -343,8 +351,11 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
     g, b = hq // hkv, meta.num_seqs
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     sms = device_sms(q.device)
-    kv8 = k_cache.dtype == torch.float8_e4m3fn
-    cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms, kv8), **(tune or {}))
+    # The FP8 rows of the table and the word-wise V read go together and are opt-in until timed on a GPU
+    # (LAMINA_FP8_V_WORDS=1): both compiled for sm_90 and checked in the interpreter, neither has run natively.
+    kv8 = k_cache.dtype == torch.float8_e4m3fn and fp8_words_wanted()
+    cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms, kv8),
+                              **{"v_words": kv8, **(tune or {})})
     heads, groups, splits = plan_splits(b, hkv, cfg.heads, sms)
     splits = num_splits or splits
     assert splits & (splits - 1) == 0 and splits <= 256, splits
