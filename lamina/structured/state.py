@@ -36,6 +36,11 @@ class GrammarState:
         self.done = False  # broken or terminated, as of the tokens the matcher has taken
 
     @property
+    def handle(self):
+        """The matcher's tvm-ffi object, for xgrammar's batch calls on raw handles (fill_pipe.py)."""
+        return self.matcher._handle
+
+    @property
     def terminated(self) -> bool:
         """The grammar accepted a stop token (or broke): nothing more is constrained."""
         self.flush()

@@ -1,0 +1,143 @@
+"""The decode step's grammar work in two xgrammar calls, on a worker the step loop never waits to start
+(LAMINA_GRAMMAR_FILL_PIPE=1; MaskFiller.pipe).
+
+Every xgrammar 0.2.9 call goes through tvm-ffi, which releases the interpreter lock for the call's duration
+(tvm_ffi Function.release_gil, on by default). A thread making one such call per row gives the lock away and
+must win it back 64 times a step: with the step loop running Python meanwhile, each return waits for that
+thread to release it again. So the old hand-off (fill.py) had the step loop wait, blocked, while the worker
+took the rows' tokens one accept_token call at a time (filler_start 748 us a step at 64 rows on the H200
+host, of which accept_all 244 us, 2026-12-02).
+
+Here a step's single-row grammars take their queued tokens in ONE BatchGrammarMatcher.batch_accept_token call
+and are filled by ONE batch_fill_next_token_bitmask call (xgrammar's own threads), both on the raw tvm-ffi
+handles (no per-row Python wrappers). The step loop only builds the lists (one loop over the rows), queues
+the job and goes on building the step; the worker needs the lock three times a step (to start, between the
+two calls, to finish), each time for a few microseconds of Python. accept_on_loop: the batch accept runs on
+the step loop instead (the worker needs the lock twice, but the loop pays the accept).
+
+Rows whose queued tokens are not exactly one (rare: after a preemption's replay, several tokens) or hold a
+stop token (the grammar may end there) are advanced on the step loop first, as advance_all does, so the
+worker never has to decide anything: a rejected token (a bug: the mask forbids it) is the one case it
+handles, by marking the state broken and leaving its row all ones.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from lamina.structured.bitmask import ALL_ALLOWED
+
+log = logging.getLogger("lamina")
+
+
+def split_pending(states: list, rows: list[int]) -> tuple[list, list[int], tuple[list, list[int], list[int]]]:
+    """(states, rows) to fill, and (handles, tokens, ended) to accept: a state with one queued token that is
+    not a stop token goes to the one batch accept (handles, tokens); any other queue is taken here
+    (state.flush), and a state that ends so leaves the fill (ended: its row, for the caller to set all ones)."""
+    fill_states, fill_rows, handles, tokens, ended = [], [], [], [], []
+    for s, r in zip(states, rows):
+        p = s.pending
+        if len(p) == 1 and p[0] not in s.stops:
+            handles.append(s.handle)
+            tokens.append(p[0])
+            s.pending = []
+            s.num_accepted += 1  # taken back if the batch accept rejects it (accept_batch)
+        elif p:
+            s.flush()
+            if s.done:
+                ended.append(r)
+                continue
+        fill_states.append(s)
+        fill_rows.append(r)
+    return fill_states, fill_rows, (handles, tokens, ended)
+
+
+def accept_batch(states: list, rows: list[int], handles: list, tokens: list[int], host: torch.Tensor):
+    """One batch accept of `tokens` by `handles` (the states' matchers, in order, among `states`); a
+    rejected token breaks its state and its row is set all ones and left out. Returns (states, rows)."""
+    if not handles:
+        return states, rows
+    import xgrammar as xg
+
+    res = xg.base._core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+    if 0 not in res:  # the usual step: a C-level scan of the result, no per-row Python
+        return states, rows
+    bad = {h for h, ok in zip(handles, res) if not ok}
+    bad_tok = {h: t for h, t in zip(handles, tokens) if h in bad}
+    keep_s, keep_r = [], []
+    for s, r in zip(states, rows):
+        if s.handle in bad:
+            s.num_accepted -= 1
+            s._reject(bad_tok[s.handle])
+            host[r].numpy().fill(ALL_ALLOWED)
+        else:
+            keep_s.append(s)
+            keep_r.append(r)
+    return keep_s, keep_r
+
+
+def fill_batch(batch, states: list, rows: list[int], host: torch.Tensor) -> None:
+    """One batch fill of host rows `rows` from `states` (whole rows written); batch: a BatchGrammarMatcher."""
+    if not states:
+        return
+    handles = [s.handle for s in states]
+    identity = len(rows) == host.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1
+    batch._handle.batch_fill_next_token_bitmask(handles, host, None if identity else rows, False)
+
+
+class PipeJob:
+    """One step's accept-and-fill queued on the PipeWorker; wait() returns once it ran (re-raising its error)."""
+
+    __slots__ = ("run", "error", "_done")
+
+    def __init__(self, run) -> None:
+        self.run, self.error = run, None
+        self._done = threading.Lock()
+        self._done.acquire()
+
+    def finish(self) -> None:
+        self._done.release()
+
+    def result(self) -> None:
+        """Waits for the job (PendingFill calls it as it calls a Future's)."""
+        if self._done is None:
+            return
+        self._done.acquire()  # blocks without the interpreter lock until the worker releases it
+        self._done = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+
+class PipeWorker:
+    """One daemon thread running queued PipeJobs in order: a bare queue and a lock, the least Python between
+    waking up and the first xgrammar call."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="lamina-grammar-pipe", daemon=True)
+        self._thread.start()
+
+    def submit(self, run) -> PipeJob:
+        job = PipeJob(run)
+        self._queue.put(job)
+        return job
+
+    def _loop(self) -> None:
+        get = self._queue.get
+        while True:
+            job = get()
+            if job is None:
+                return
+            try:
+                job.run()
+            except BaseException as exc:  # reported by wait(), on the step loop
+                job.error = exc
+            job.finish()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
