@@ -174,20 +174,19 @@ class MaskFiller:
         """start() by fill_pipe.py: the queued tokens in one batch accept (on the worker, or here with
         accept_on_loop or when filling here), then one batch fill; the step loop does not wait for the worker."""
         try:
-            states, rows, (handles, tokens, ended) = split_pending(states, rows)
-            for r in ended:
+            plan = split_pending(states, rows)
+            for r in plan.ended:
                 host[r].numpy().fill(ALL_ALLOWED)
-            batch = self._batch_matcher(batch_threads(len(states), self.threads))
+            batch = self._batch_matcher(batch_threads(len(plan.states), self.threads))
             here = not background or self.threads <= 0 or count < self.min_rows
             if here or self.accept_on_loop:
-                states, rows = accept_batch(states, rows, handles, tokens, host)
-                handles = []
+                accept_batch(plan, host)
             if here:
-                fill_batch(batch, states, rows, host)
+                fill_batch(batch, plan, host)
                 return PendingFill(None)
         except Exception as exc:  # reported by wait(), as the worker's errors are
             return PendingFill(_failed(exc))
-        if not states:
+        if not plan.states:
             return PendingFill(None)
         if self._pipe is None:
             self._pipe = PipeWorker()
@@ -197,8 +196,8 @@ class MaskFiller:
             sys.setswitchinterval(self.switch_us * 1e-6)
 
         def run() -> None:
-            s, r = accept_batch(states, rows, handles, tokens, host) if handles else (states, rows)
-            fill_batch(batch, s, r, host)
+            accept_batch(plan, host)
+            fill_batch(batch, plan, host)
 
         return PendingFill(self._pipe.submit(run), switch_s)
 

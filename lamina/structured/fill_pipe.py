@@ -33,57 +33,79 @@ from lamina.structured.bitmask import ALL_ALLOWED
 log = logging.getLogger("lamina")
 
 
-def split_pending(states: list, rows: list[int]) -> tuple[list, list[int], tuple[list, list[int], list[int]]]:
-    """(states, rows) to fill, and (handles, tokens, ended) to accept: a state with one queued token that is
-    not a stop token goes to the one batch accept (handles, tokens); any other queue is taken here
-    (state.flush), and a state that ends so leaves the fill (ended: its row, for the caller to set all ones)."""
-    fill_states, fill_rows, handles, tokens, ended = [], [], [], [], []
-    for s, r in zip(states, rows):
+class Plan:
+    """A step's grammar work for the pipe: accept tokens[i] by handles[i] in one batch call, then fill host
+    rows `rows` from `states` (their matchers: fill_handles) in one batch call; `ended`: rows whose state
+    ended before (for the caller to set all ones)."""
+
+    __slots__ = ("states", "rows", "handles", "tokens", "ended", "fill_handles")
+
+    def __init__(self, states, rows, handles, tokens, ended, fill_handles) -> None:
+        self.states, self.rows, self.handles, self.tokens = states, rows, handles, tokens
+        self.ended, self.fill_handles = ended, fill_handles
+
+
+def split_pending(states: list, rows: list[int]) -> Plan:
+    """The Plan of `states` (filling host rows `rows`): a state with one queued token that is not a stop token
+    goes to the batch accept; any other queue is taken here (state.flush), and a state that ends so leaves
+    the fill. The usual decode step (one token each, none a stop token) is one loop over the rows."""
+    handles, tokens, odd = [], [], []
+    for i, s in enumerate(states):
         p = s.pending
-        if len(p) == 1 and p[0] not in s.stops:
-            handles.append(s.handle)
-            tokens.append(p[0])
-            s.pending = []
-            s.num_accepted += 1  # taken back if the batch accept rejects it (accept_batch)
-        elif p:
-            s.flush()
-            if s.done:
-                ended.append(r)
+        if p:
+            t = p[0]
+            if len(p) == 1 and t not in s.stops:
+                handles.append(s.handle)
+                tokens.append(t)
+                s.pending = []
+                s.num_accepted += 1  # taken back if the batch accept rejects it (accept_batch)
                 continue
-        fill_states.append(s)
-        fill_rows.append(r)
-    return fill_states, fill_rows, (handles, tokens, ended)
+            odd.append(i)
+    if not odd:
+        return Plan(states, rows, handles, tokens, [], handles if len(handles) == len(states) else None)
+    for i in odd:
+        states[i].flush()
+    fill_states, fill_rows, ended = [], [], []
+    for s, r in zip(states, rows):
+        if s.done:
+            ended.append(r)
+        else:
+            fill_states.append(s)
+            fill_rows.append(r)
+    return Plan(fill_states, fill_rows, handles, tokens, ended, None)
 
 
-def accept_batch(states: list, rows: list[int], handles: list, tokens: list[int], host: torch.Tensor):
-    """One batch accept of `tokens` by `handles` (the states' matchers, in order, among `states`); a
-    rejected token breaks its state and its row is set all ones and left out. Returns (states, rows)."""
-    if not handles:
-        return states, rows
+def accept_batch(plan: Plan, host: torch.Tensor) -> None:
+    """The plan's batch accept; a rejected token breaks its state, whose row is set all ones and left out of
+    the plan's fill."""
+    if not plan.handles:
+        return
     import xgrammar as xg
 
+    handles, tokens = plan.handles, plan.tokens
+    plan.handles = plan.tokens = ()  # taken: a second call accepts nothing
     res = xg.base._core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
     if 0 not in res:  # the usual step: a C-level scan of the result, no per-row Python
-        return states, rows
-    bad = {h for h, ok in zip(handles, res) if not ok}
-    bad_tok = {h: t for h, t in zip(handles, tokens) if h in bad}
+        return
+    bad = {h: t for h, t, ok in zip(handles, tokens, res) if not ok}
     keep_s, keep_r = [], []
-    for s, r in zip(states, rows):
+    for s, r in zip(plan.states, plan.rows):
         if s.handle in bad:
             s.num_accepted -= 1
-            s._reject(bad_tok[s.handle])
+            s._reject(bad[s.handle])
             host[r].numpy().fill(ALL_ALLOWED)
         else:
             keep_s.append(s)
             keep_r.append(r)
-    return keep_s, keep_r
+    plan.states, plan.rows, plan.fill_handles = keep_s, keep_r, None
 
 
-def fill_batch(batch, states: list, rows: list[int], host: torch.Tensor) -> None:
-    """One batch fill of host rows `rows` from `states` (whole rows written); batch: a BatchGrammarMatcher."""
+def fill_batch(batch, plan: Plan, host: torch.Tensor) -> None:
+    """The plan's batch fill of its host rows (whole rows written); batch: a BatchGrammarMatcher."""
+    states, rows = plan.states, plan.rows
     if not states:
         return
-    handles = [s.handle for s in states]
+    handles = plan.fill_handles if plan.fill_handles is not None else [s.handle for s in states]
     identity = len(rows) == host.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1
     batch._handle.batch_fill_next_token_bitmask(handles, host, None if identity else rows, False)
 

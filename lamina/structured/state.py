@@ -29,16 +29,12 @@ class GrammarState:
         import xgrammar as xg
 
         self.matcher = xg.GrammarMatcher(compiled)
+        self.handle = self.matcher._handle  # its tvm-ffi object: xgrammar's batch calls on raw handles (fill_pipe.py)
         self.stops = frozenset(self.matcher.stop_token_ids)  # accepting one of these terminates the matcher
         self.pending: list[int] = []  # read back, not yet given to the matcher
         self.num_accepted = 0
         self.broken = False
         self.done = False  # broken or terminated, as of the tokens the matcher has taken
-
-    @property
-    def handle(self):
-        """The matcher's tvm-ffi object, for xgrammar's batch calls on raw handles (fill_pipe.py)."""
-        return self.matcher._handle
 
     @property
     def terminated(self) -> bool:
