@@ -36,6 +36,9 @@ and the worker then needs the lock only to enter the batch fill: with LAMINA_GRA
 loop no longer waits two thread wake-ups per step. LAMINA_GRAMMAR_FILL_SWITCH_US (unset: the interpreter's
 5 ms) lowers the switch interval while a fill is pending, so the worker gets the lock within that long
 although the loop runs Python; the interval is put back when the fill is waited for.
+
+LAMINA_GRAMMAR_FILL_PIPE=1 (opt-in until measured on the H200): structured/fill_pipe.py, the decode step's
+tokens in one batch accept and its rows in one batch fill, on a worker the loop does not wait for.
 """
 from __future__ import annotations
 

@@ -1,24 +1,26 @@
 """The decode step's grammar work in two xgrammar calls, on a worker the step loop never waits to start
 (LAMINA_GRAMMAR_FILL_PIPE=1; MaskFiller.pipe).
 
-Every xgrammar 0.2.9 call goes through tvm-ffi, which releases the interpreter lock for the call's duration
-(tvm_ffi Function.release_gil, on by default). A thread making one such call per row gives the lock away and
-must win it back 64 times a step: with the step loop running Python meanwhile, each return waits for that
-thread to release it again. So the old hand-off (fill.py) had the step loop wait, blocked, while the worker
-took the rows' tokens one accept_token call at a time (filler_start 748 us a step at 64 rows on the H200
-host, of which accept_all 244 us, 2026-12-02).
+xgrammar 0.2.9's calls go through tvm-ffi, whose functions release the interpreter lock for the call
+(tvm_ffi Function.release_gil, on by default). A short call mostly gets the lock back before a waiting thread
+wakes (is_terminated: 0.2 us alone, 1.2 us with a spinning thread, development machine); a long one lets the
+waiting thread in, and the caller then waits for it to let go (a blocking call, or the switch interval). The
+default hand-off (fill.py) has the step loop wait, blocked, while the worker wakes up, takes the rows'
+tokens one accept_token call at a time and reaches the batch fill: filler_start 748 us a step at 64 rows on the
+H200 host, of which accept_all 244 us (2026-12-02), the rest thread wake-ups.
 
 Here a step's single-row grammars take their queued tokens in ONE BatchGrammarMatcher.batch_accept_token call
 and are filled by ONE batch_fill_next_token_bitmask call (xgrammar's own threads), both on the raw tvm-ffi
-handles (no per-row Python wrappers). The step loop only builds the lists (one loop over the rows), queues
-the job and goes on building the step; the worker needs the lock three times a step (to start, between the
-two calls, to finish), each time for a few microseconds of Python. accept_on_loop: the batch accept runs on
-the step loop instead (the worker needs the lock twice, but the loop pays the accept).
+handles (no per-row Python wrappers). The step loop only sorts the rows (one loop, ~9 us at 64 rows), queues
+the job and goes on building the step; the worker needs the lock to start, between the two calls and to
+finish, for a few microseconds of Python each time. It gets it when the loop lets go (a blocking call, a
+long torch call) or at the switch interval: LAMINA_GRAMMAR_FILL_SWITCH_US (e.g. 200) bounds that wait while
+a fill is pending. accept_on_loop: the batch accept runs on the step loop instead (the worker needs the lock
+twice, and the loop pays the accept).
 
-Rows whose queued tokens are not exactly one (rare: after a preemption's replay, several tokens) or hold a
-stop token (the grammar may end there) are advanced on the step loop first, as advance_all does, so the
-worker never has to decide anything: a rejected token (a bug: the mask forbids it) is the one case it
-handles, by marking the state broken and leaving its row all ones.
+Rows whose queued tokens are not exactly one (rare: several after a preemption) or hold a stop token (the
+grammar may end there) are advanced on the step loop first, as advance_all does; the worker handles only a
+rejected token (a bug: the mask forbids it), by marking the state broken and leaving its row all ones.
 """
 from __future__ import annotations
 
