@@ -23,9 +23,12 @@ sel() { [ ${#all[@]} -eq 0 ] || [[ " ${all[*]} " == *" $1 "* ]]; }
 sel attention && stage attention ${ATT_S:-90} bash -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py tests/kernels/test_triton_graph_attention.py tests/kernels/test_attention_softcap.py 2>&1 | tail -3; python3 scripts/gpu_attention_bench.py --out "$OUT"'
 sel spec && stage spec ${SPEC_S:-130} python3 scripts/gpu_spec_bench.py --only ${SPEC_ONLY:-check_hybrid} --budget-s $(( ${SPEC_S:-130} - 10 ))
 sel structured && stage structured ${ST_S:-270} bash scripts/gpu_vllm.sh structured
-# Issue 16 (struct6): plain and schema TPOT interleaved, 3 repeats at c = 1 and 64, default fill vs the opt-in
-# accepts-on-the-loop path switched inside one server, with the phases (gpu_vllm.sh structured says more).
-sel struct6 && stage struct6 300 env FILLS=${ST6_FILLS:-default,loop} REPEATS=${ST6_REPEATS:-3} \
+# Issue 16 (struct6): plain and schema TPOT interleaved, 2 repeats at c = 1 and 64 (~4.5 min), the default fill vs
+# the opt-in LAMINA_GRAMMAR_FILL_PIPE path with LAMINA_GRAMMAR_FILL_SWITCH_US=200 (pipesw; structured/fill_pipe.py:
+# one batch accept and one batch fill on a worker the loop does not wait for) switched inside one server, with the
+# phases (gpu_vllm.sh structured says more). ST6_FILLS=default,pipesw,pipe,pipeloop ST6_S=420: the pipe with
+# Python's 5 ms switch interval and with the batch accept on the loop too.
+sel struct6 && stage struct6 ${ST6_S:-300} env FILLS=${ST6_FILLS:-default,pipesw} REPEATS=${ST6_REPEATS:-2} \
   bash scripts/gpu_vllm.sh structured
 sel families && stage families ${FAM_S:-300} python3 scripts/gpu_families_bench.py --budget-s $(( ${FAM_S:-300} - 10 )) \
   ${FAM_ONLY:+--only $FAM_ONLY}

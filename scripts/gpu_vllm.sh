@@ -92,7 +92,8 @@ structured)  # issue 16: the constrained step phase by phase on the real server 
     | tee "$OUT/bitmask_kernel_tests.log" | tail -2
   # One server; the fill variants (structured_serve_cost.py VARIANTS: default = the server's own settings;
   # loop = the opt-in path: the loop takes the tokens, no wait for the worker, switch interval 200 us while a
-  # fill is pending, even one row in the background; min1; nofill) switched between runs, and plain and schema
+  # fill is pending, even one row in the background; min1; nofill; pipe = LAMINA_GRAMMAR_FILL_PIPE, pipeloop,
+  # pipesw) switched between runs, and plain and schema
   # runs interleaved REPEATS times at c = 1 and 64 (order alternating, one uncounted run first); then per
   # variant a TPOT table (median [min-max], overhead) and the phases. FILLS=default,loop REPEATS=3: ~4 min.
   python3 scripts/structured_serve_cost.py --model $ck --device cuda --input-len 512 --output-len 256 \

@@ -9,6 +9,10 @@ Per phase, us per step on the step loop's thread (median over steps): accept, ma
 (the wait for the fill); `extra` = step - busy is what structured output puts on the step's critical path.
 
   python scripts/structured_host_step.py [--rows 64] [--steps 200] [--busy-us 1500] [--tokenizer DIR]
+      [--release-us 20] [--pipe] [--accept-on-loop] [--no-wait-start] [--switch-us 200]
+
+--pipe: structured/fill_pipe.py (LAMINA_GRAMMAR_FILL_PIPE); --accept-on-loop, --no-wait-start and
+--fill-switch-us set the filler's other knobs (structured/fill.py).
 """
 from __future__ import annotations
 
@@ -26,13 +30,22 @@ import torch
 VOCAB = 151936
 
 
-def busy(us: float) -> None:
-    """Pure Python for `us` microseconds: holds the interpreter lock as the batch build does."""
+def busy(us: float, release_us: float = 0.0) -> None:
+    """Pure Python for `us` microseconds: holds the interpreter lock as the batch build does. release_us > 0:
+    a small torch op every release_us microseconds, which lets the lock go for its duration as the batch
+    build's and the forward's torch calls do (torch's bindings release it around each op)."""
     end = time.perf_counter() + us * 1e-6
-    x = 0
-    while time.perf_counter() < end:
+    nxt = time.perf_counter() + release_us * 1e-6 if release_us > 0 else float("inf")
+    x, t = 0, _SMALL
+    while (now := time.perf_counter()) < end:
         for i in range(50):
             x += i
+        if now >= nxt:
+            t = t.add(1)
+            nxt = now + release_us * 1e-6
+
+
+_SMALL = torch.zeros(4)
 
 
 def pick(row: np.ndarray, rng: np.random.Generator, stop: set[int]) -> int:
@@ -51,6 +64,11 @@ def main() -> None:
     ap.add_argument("--busy-us", type=float, default=1500.0)
     ap.add_argument("--threads", type=int, default=None, help="LAMINA_GRAMMAR_FILL_THREADS (default: its default)")
     ap.add_argument("--switch-us", type=float, default=None, help="sys.setswitchinterval (default: Python's 5 ms)")
+    ap.add_argument("--release-us", type=float, default=0.0, help="a torch op every N us of busy (0: none)")
+    ap.add_argument("--pipe", action="store_true", help="LAMINA_GRAMMAR_FILL_PIPE (structured/fill_pipe.py)")
+    ap.add_argument("--accept-on-loop", action="store_true", help="LAMINA_GRAMMAR_FILL_ACCEPT_ON_LOOP")
+    ap.add_argument("--no-wait-start", action="store_true", help="LAMINA_GRAMMAR_FILL_WAIT_START=0")
+    ap.add_argument("--fill-switch-us", type=float, default=None, help="LAMINA_GRAMMAR_FILL_SWITCH_US")
     ap.add_argument("--count", action="store_true", help="count the step loop's calls (Python and C) per phase")
     ap.add_argument("--result-file", default=None)
     args = ap.parse_args()
@@ -68,8 +86,8 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     mgr = StructuredOutputManager(tok, VOCAB, stop, torch.device("cpu"))
-    if args.threads is not None:
-        mgr._filler = MaskFiller(args.threads)
+    mgr._filler = MaskFiller(args.threads, pipe=args.pipe, accept_on_loop=args.accept_on_loop,
+                             wait_start=not args.no_wait_start, switch_us=args.fill_switch_us)
     spec = StructuredOutputsParams(json=json.loads(Path(args.schema).read_text()))
     compiled = mgr.compiler.compile(spec)
     assert isinstance(mgr.compiler, GrammarCompilerService)
@@ -99,7 +117,7 @@ def main() -> None:
             pending = mgr.start_bitmask(seqs, offsets)
             c2 = calls[0]
             sys.setprofile(None)
-            busy(args.busy_us)
+            busy(args.busy_us, args.release_us)
             c3 = calls[0]
             sys.setprofile(prof)
             mask = pending.result()
@@ -120,7 +138,7 @@ def main() -> None:
         t1 = time.perf_counter()
         pending = mgr.start_bitmask(seqs, offsets)
         t2 = time.perf_counter()
-        busy(args.busy_us)
+        busy(args.busy_us, args.release_us)
         t3 = time.perf_counter()
         mask = pending.result()
         t4 = time.perf_counter()
@@ -141,7 +159,9 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     med["extra"] = med["step"] - med["busy"]
     q = {k: (statistics.quantiles(v, n=10)[0], statistics.quantiles(v, n=10)[-1]) for k, v in times.items()}
-    print(f"rows={args.rows} steps={args.steps} busy_us={args.busy_us} threads={mgr._filler.threads}")
+    f = mgr._filler
+    print(f"rows={args.rows} steps={args.steps} busy_us={args.busy_us} release_us={args.release_us} "
+          f"threads={f.threads} pipe={f.pipe} accept_on_loop={f.accept_on_loop} wait_start={f.wait_start}")
     for k, v in med.items():
         spread = f"  (p10 {q[k][0]:.0f}, p90 {q[k][1]:.0f})" if k in q else ""
         print(f"  {k:12s} {v:8.0f} us/step{spread}")

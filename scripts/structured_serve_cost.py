@@ -42,9 +42,12 @@ from pathlib import Path
 SCHEMA = "scripts/schemas/bench_items.json"
 # Fill settings switched inside one server between runs (MaskFiller attributes; structured/fill.py): default is
 # the server's own (its environment), loop the opt-in accepts-on-the-loop path, min1 even one row in the
-# background, nofill the fill on the step loop (no overlap).
+# background, nofill the fill on the step loop (no overlap); pipe structured/fill_pipe.py (one batch accept and
+# one batch fill on a worker the loop does not wait for), pipesw the same with the switch interval at 200 us
+# while a fill is pending, pipeloop with the batch accept on the loop.
 VARIANTS = {"default": {}, "loop": {"accept_on_loop": True, "wait_start": False, "switch_us": 200.0, "min_rows": 1},
-            "min1": {"min_rows": 1}, "nofill": {"threads": 0}}
+            "min1": {"min_rows": 1}, "nofill": {"threads": 0}, "pipe": {"pipe": True},
+            "pipesw": {"pipe": True, "switch_us": 200.0}, "pipeloop": {"pipe": True, "accept_on_loop": True}}
 
 
 # ---- the core side (runs inside the spawned engine core process) ----------------------------------------
@@ -138,6 +141,11 @@ def _install(path: str, sync: bool) -> None:
     # the grammars taking their queued tokens (on the worker by default, on the loop with ACCEPT_ON_LOOP=1).
     t.wrap(getattr(fill, "MaskFiller", None), "start", "filler_start")
     t.wrap(fill, "advance_all", "accept_all")
+    # The pipe (fill_pipe.py): its batch accept (on its worker, or on the loop) and its batch fill on raw handles
+    # (not through xgrammar's wrapper, so "fill" is timed here instead), and the loop's split of the rows.
+    t.wrap(fill, "accept_batch", "accept_all")
+    t.wrap(fill, "fill_batch", "fill")
+    t.wrap(fill, "split_pending", "split")
     t.wrap(bitmask.BitmaskBuffers, "to_device", "h2d")
     t.wrap(bitmask.BitmaskBuffers, "host", "host_buf")
     t.wrap(getattr(xg, "BatchGrammarMatcher", None), "batch_fill_next_token_bitmask", "fill")
@@ -174,8 +182,8 @@ def _install(path: str, sync: bool) -> None:
             return
         for m in managers:
             f = m._filler
-            base = originals.setdefault(id(f), {k: getattr(f, k) for k in ("threads", "min_rows", "wait_start",
-                                                                            "accept_on_loop", "switch_us")})
+            base = originals.setdefault(id(f), {k: getattr(f, k, None) for k in (
+                "threads", "min_rows", "wait_start", "accept_on_loop", "switch_us", "pipe")})
             for k, v in {**base, **attrs}.items():
                 setattr(f, k, v)
 
@@ -322,8 +330,8 @@ def _report(label: str, steps: dict, tpot: float | None, cpu: dict) -> dict:
     n = agg["steps"]
     phases = {k: agg[k] / n * 1e6 for k in agg if not k.endswith("_n") and k != "steps"}
     order = ["period", "loop", "gc", "step", "prepare", "forward", "sample", "apply", "resolve", "accept",
-             "bitmask", "mask_start", "host_buf", "filler_start", "accept_all", "fill", "fill_row", "mask_result",
-             "fill_wait", "h2d", "admit"]
+             "bitmask", "mask_start", "host_buf", "filler_start", "split", "accept_all", "fill", "fill_row",
+             "mask_result", "fill_wait", "h2d", "admit"]
     shown = " ".join(f"{k} {phases[k]:.0f}" for k in order if k in phases)
     per_tok = f"; core cpu ms/output token {cpu['core_ms_per_token']:.2f}" if cpu.get("core_ms_per_token") else ""
     print(f"{label}: TPOT p50 {tpot if tpot is None else round(tpot, 2)} ms; {int(n)} steps of {key}; "
@@ -445,8 +453,8 @@ def _table(results: list[dict], label: str) -> None:
             keys = sorted({p for r in v for p in r.get("us_per_step", {})})
             phases = {p: statistics.median([r["us_per_step"].get(p, 0.0) for r in v]) for p in keys}
             order = [p for p in ("period", "step", "prepare", "forward", "sample", "apply", "resolve", "mask_start",
-                                 "host_buf", "filler_start", "accept_all", "fill", "fill_wait", "mask_result", "h2d",
-                                 "gc", "loop") if p in phases]
+                                 "host_buf", "filler_start", "split", "accept_all", "fill", "fill_wait",
+                                 "mask_result", "h2d", "gc", "loop") if p in phases]
             print(f"  c={c} {k} us/step (median): " + " ".join(f"{p} {phases[p]:.0f}" for p in order))
 
 

@@ -36,6 +36,9 @@ and the worker then needs the lock only to enter the batch fill: with LAMINA_GRA
 loop no longer waits two thread wake-ups per step. LAMINA_GRAMMAR_FILL_SWITCH_US (unset: the interpreter's
 5 ms) lowers the switch interval while a fill is pending, so the worker gets the lock within that long
 although the loop runs Python; the interval is put back when the fill is waited for.
+
+LAMINA_GRAMMAR_FILL_PIPE=1 (opt-in until measured on the H200): structured/fill_pipe.py, the decode step's
+tokens in one batch accept and its rows in one batch fill, on a worker the loop does not wait for.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from lamina.structured.bitmask import ALL_ALLOWED
+from lamina.structured.fill_pipe import PipeWorker, accept_batch, fill_batch, split_pending
 from lamina.structured.state import GrammarState, advance_all
 
 ROWS_PER_THREAD = 8  # ~15-40 us a row on the H200 host: fewer rows per thread cost more to hand off than they save
@@ -56,6 +60,7 @@ ENV_MIN_ROWS = "LAMINA_GRAMMAR_FILL_MIN_ROWS"
 ENV_WAIT_START = "LAMINA_GRAMMAR_FILL_WAIT_START"
 ENV_ACCEPT_ON_LOOP = "LAMINA_GRAMMAR_FILL_ACCEPT_ON_LOOP"
 ENV_SWITCH_US = "LAMINA_GRAMMAR_FILL_SWITCH_US"
+ENV_PIPE = "LAMINA_GRAMMAR_FILL_PIPE"
 
 
 def default_fill_threads() -> int:
@@ -114,7 +119,7 @@ class PendingFill:
         f, self._future = self._future, None
         try:
             if f is not None:
-                f.result()
+                f.result()  # a Future, or fill_pipe.PipeJob
         finally:
             if self._switch_s is not None:
                 sys.setswitchinterval(self._switch_s)
@@ -126,13 +131,15 @@ class MaskFiller:
     caller, one fill at a time (the caller waits for a fill before starting the next)."""
 
     def __init__(self, threads: int | None = None, min_rows: int | None = None, wait_start: bool | None = None,
-                 accept_on_loop: bool | None = None, switch_us: float | None = None) -> None:
+                 accept_on_loop: bool | None = None, switch_us: float | None = None, pipe: bool | None = None) -> None:
         self.threads = default_fill_threads() if threads is None else threads
         self.min_rows = default_min_rows() if min_rows is None else min_rows
         self.wait_start = _flag(ENV_WAIT_START, "1") if wait_start is None else wait_start
         self.accept_on_loop = _flag(ENV_ACCEPT_ON_LOOP, "0") if accept_on_loop is None else accept_on_loop
         self.switch_us = default_switch_us() if switch_us is None else switch_us
+        self.pipe = _flag(ENV_PIPE, "0") if pipe is None else pipe  # fill_pipe.py: two batch calls, no start wait
         self._pool: ThreadPoolExecutor | None = None
+        self._pipe: PipeWorker | None = None
         self._batch: dict[int, object] = {}  # xgrammar BatchGrammarMatcher by thread count
 
     def start(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], jobs: list[Job], count: int,
@@ -142,6 +149,8 @@ class MaskFiller:
         On the worker when background, threads > 0 and count >= min_rows; else here."""
         if not states and not jobs:
             return PendingFill(None)
+        if self.pipe and not jobs:  # verify runs (jobs) keep the general path below
+            return self._start_pipe(host, states, rows, count, background)
         if not background or self.threads <= 0 or count < self.min_rows:
             return PendingFill(_done(self._fill, host, states, rows, jobs))
         if self.accept_on_loop and states:  # the queued tokens here: the worker only fills
@@ -163,6 +172,46 @@ class MaskFiller:
             started.wait()  # set before the lock-releasing batch fill, or when the fill ends (an error too)
         return PendingFill(future, switch_s)
 
+    def _start_pipe(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], count: int,
+                    background: bool) -> PendingFill:
+        """start() by fill_pipe.py: the queued tokens in one batch accept (on the worker, or here with
+        accept_on_loop or when filling here), then one batch fill; the step loop does not wait for the worker."""
+        try:
+            plan = split_pending(states, rows)
+            for r in plan.ended:
+                host[r].numpy().fill(ALL_ALLOWED)
+            batch = self._batch_matcher(batch_threads(len(plan.states), self.threads))
+            here = not background or self.threads <= 0 or count < self.min_rows
+            if here or self.accept_on_loop:
+                accept_batch(plan, host)
+            if here:
+                fill_batch(batch, plan, host)
+                return PendingFill(None)
+        except Exception as exc:  # reported by wait(), as the worker's errors are
+            return PendingFill(_failed(exc))
+        if not plan.states:
+            return PendingFill(None)
+        if self._pipe is None:
+            self._pipe = PipeWorker()
+        switch_s = None
+        if self.switch_us is not None:
+            switch_s = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_us * 1e-6)
+
+        def run() -> None:
+            accept_batch(plan, host)
+            fill_batch(batch, plan, host)
+
+        return PendingFill(self._pipe.submit(run), switch_s)
+
+    def _batch_matcher(self, n: int):
+        batch = self._batch.get(n)
+        if batch is None:
+            import xgrammar as xg
+
+            batch = self._batch[n] = xg.BatchGrammarMatcher(n)
+        return batch
+
     def _fill(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], jobs: list[Job],
               started: threading.Event | None = None, advance: bool = True) -> None:
         try:
@@ -176,12 +225,7 @@ class MaskFiller:
     def _fill_rows(self, host: torch.Tensor, states: list[GrammarState], rows: list[int], jobs: list[Job],
                    started: threading.Event | None) -> None:
         if states:
-            n = batch_threads(len(states), self.threads)
-            batch = self._batch.get(n)
-            if batch is None:
-                import xgrammar as xg
-
-                batch = self._batch[n] = xg.BatchGrammarMatcher(n)
+            batch = self._batch_matcher(batch_threads(len(states), self.threads))
             if started is not None:
                 started.set()
             batch.batch_fill_next_token_bitmask([s.matcher for s in states], host, rows)  # whole rows written
@@ -192,6 +236,9 @@ class MaskFiller:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
         self._batch.clear()
 
 

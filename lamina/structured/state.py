@@ -29,6 +29,7 @@ class GrammarState:
         import xgrammar as xg
 
         self.matcher = xg.GrammarMatcher(compiled)
+        self.handle = self.matcher._handle  # its tvm-ffi object: xgrammar's batch calls on raw handles (fill_pipe.py)
         self.stops = frozenset(self.matcher.stop_token_ids)  # accepting one of these terminates the matcher
         self.pending: list[int] = []  # read back, not yet given to the matcher
         self.num_accepted = 0

@@ -120,11 +120,22 @@ def test_background_fill_equals_each_matcher_and_keeps_bad_words():
     mgr.close()
 
 
+def _pipe_fillers(wait_start):
+    """The fillers whose masks must equal the default's (first): accepts on the loop, and fill_pipe.py's
+    batch accept on the worker, on the loop, and filled on the calling thread."""
+    return [MaskFiller(2, min_rows=1), MaskFiller(2, min_rows=1, wait_start=wait_start, accept_on_loop=True,
+                                                  switch_us=100),
+            MaskFiller(2, min_rows=1, pipe=True, switch_us=100), MaskFiller(2, min_rows=1, pipe=True,
+                                                                            accept_on_loop=True),
+            MaskFiller(2, min_rows=64, pipe=True)]
+
+
 @pytest.mark.parametrize("wait_start", [True, False])
 def test_accepts_on_the_loop_fill_as_on_the_worker(wait_start):
-    """LAMINA_GRAMMAR_FILL_ACCEPT_ON_LOOP: queued tokens (one a row, one row given its stop token, one several)
-    taken on the calling thread, then the batch fill on the worker: the same mask as the worker taking them
-    (the default), and the switch interval lowered while the fill is pending is put back by wait()."""
+    """LAMINA_GRAMMAR_FILL_ACCEPT_ON_LOOP and LAMINA_GRAMMAR_FILL_PIPE: queued tokens (one a row, one row given
+    its stop token, one several, one a token its grammar rejects) taken on the calling thread or in one batch
+    call, then the batch fill: the same mask and states as the worker taking them one by one (the default),
+    and the switch interval lowered while the fill is pending is put back by wait()."""
     import sys
 
     pytest.importorskip("xgrammar")
@@ -134,19 +145,21 @@ def test_accepts_on_the_loop_fill_as_on_the_worker(wait_start):
     from lamina.structured.compiler import GrammarCompilerService
 
     compiled = GrammarCompilerService(tok, len(tok), [tok.eos_token_id]).compile(SO(json=SCHEMA))
-    prefixes = ['{"name": "a', '{"name": "bc", "age": 4', '{"name', "", '{"name": "x", "age": 1}'] * 3
+    prefixes = ['{"name": "a', '{"name": "bc", "age": 4', '{"name', "", '{"name": "x", "age": 1}', '{"name": 7'] * 3
     queued = [tok(p, add_special_tokens=False).input_ids for p in prefixes]
     width = (len(tok) + 31) // 32
-    masks = []
-    for filler in (MaskFiller(2, min_rows=1), MaskFiller(2, min_rows=1, wait_start=wait_start, accept_on_loop=True,
-                                                         switch_us=100)):
+    masks, ends = [], []
+    for filler in _pipe_fillers(wait_start):
         states = [GrammarState(compiled) for _ in queued]
         for st, ids in zip(states, queued):
             for t in ids[:-1]:
-                assert st.accept(t)
+                assert st.accept(t) or st.broken
             if ids:
                 st.push(ids[-1])  # the last one queued, as the read-back leaves it
         states[4].push(tok.eos_token_id)  # a complete object, then its stop token: the row goes all ones
+        states[2].pending = list(queued[2])  # several queued (the matcher had none of them)
+        states[2].matcher.reset()
+        states[2].num_accepted = 0
         host = torch.zeros((len(states), width), dtype=torch.int32)
         before = sys.getswitchinterval()
         pending = filler.start(host, states, list(range(len(states))), [], len(states))
@@ -154,9 +167,12 @@ def test_accepts_on_the_loop_fill_as_on_the_worker(wait_start):
         assert sys.getswitchinterval() == before
         assert states[4].done and not any(s.pending for s in states)
         masks.append(host.clone())
+        ends.append([(s.done, s.broken, s.num_accepted) for s in states])
         filler.close()
-    assert torch.equal(masks[0], masks[1])
+    for m, e in zip(masks[1:], ends[1:]):
+        assert torch.equal(masks[0], m) and e == ends[0]
     assert (masks[0][4] == -1).all() and not (masks[0][0] == -1).all()
+    assert ends[0][5][1] and (masks[0][5] == -1).all()  # '7' where a string must start: rejected, unmasked
 
 
 # ---- the engine: overlapped fill, fill after the forward, synchronous loop ------------------------------
@@ -229,6 +245,31 @@ def test_accepts_on_the_loop_engine_equals_sync(engines):
     finally:
         overlapped.structured._filler.close()
         overlapped.structured._filler = default
+
+
+def test_pipe_engine_equals_sync(engines):
+    """LAMINA_GRAMMAR_FILL_PIPE (one batch accept and one batch fill on a worker the loop does not wait for) in
+    the engine: the same tokens as the synchronous loop, 16 rows of which half are constrained, and every
+    constrained output valid against the schema."""
+    overlapped, sync = engines
+    prompts = [f"Invent person {i} with a name and an age, as JSON." for i in range(16)]
+
+    def params_of(i):
+        return SamplingParams(temperature=0, max_tokens=40 if i % 2 == 0 else 12,
+                              structured_outputs=SO(json=SCHEMA) if i % 2 == 0 else None)
+
+    default = overlapped.structured._filler
+    overlapped.structured._filler = MaskFiller(2, min_rows=1, pipe=True)
+    try:
+        got = _run(overlapped, prompts, params_of)
+    finally:
+        overlapped.structured._filler.close()
+        overlapped.structured._filler = default
+    assert got == _run(sync, prompts, params_of)
+    for i, (ids, reason) in enumerate(got.values()):
+        if i % 2 == 0:
+            assert reason == "stop", ids
+            jsonschema.validate(json.loads(overlapped.tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
 
 
 def test_overlapped_steps_do_overlap(engines, monkeypatch):
