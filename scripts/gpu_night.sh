@@ -70,5 +70,8 @@ sel fp8check && stage fp8check ${FC_S:-40} python3 scripts/fp8_default_check.py
 sel kvfp8 && stage kvfp8 ${KV8_S:-240} env LAMINA_FP8_V_WORDS=${KV8_WORDS:-1} python3 scripts/gpu_kv_fp8.py --budget $(( ${KV8_S:-240} - 8 )) ${KV8_ARGS:-}
 # Hybrid verify forward vs decode forward, op by op (batch 1, eager, 8 layers of the 80B-A3B shape; issue 14).
 sel specprof && stage specprof ${SP_S:-120} python3 scripts/spec_verify_profile.py --layers ${SP_LAYERS:-8}
+# Issue 14's goodput gate (specgate): forced-acceptance Qwen3-8B at batch 1 and 64, p = 0.8 / 0.0 / 0.5, gate off
+# vs goodput, each against plain in the same engine (scripts/gpu_spec_gate.py).
+sel specgate && stage specgate ${SG_S:-240} python3 scripts/gpu_spec_gate.py ${SG_ARGS:-}
 (cd "$OUT" && tar czf night.tgz night)
 ls -la "$OUT/night.tgz"

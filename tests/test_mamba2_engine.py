@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent / "spec"))
 from spec_helpers import OracleProposer, with_proposer  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "gate": "off"}  # every step drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,7 +21,7 @@ from lamina.spec.config import parse_speculative_config
 from lamina.spec.decoder import SpecDecoder
 
 KW = dict(dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=16, progress=False)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "gate": "off"}  # every step drafts
 LONG = list(range(2000, 2030))  # 30 tokens: two prefill chunks of 16, snapshots at 8, 16, 24 and 28
 PROMPTS = [LONG, [7, 8, 9], [5, 17, 99, 1000, 42, 7, 3000, 12, 81, 640, 2, 9, 44]]
 PARAMS = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=2),
@@ -127,8 +127,8 @@ def test_qwen3_next_ngram_and_rollback(qwen3_next):
         # (the lookup's only draft here comes next to a recomputed prompt chunk, which a hybrid step does not
         # verify: Scheduler._no_drafts_next_to_prefill; the wrong drafts below verify on every rank)
         assert _all_free(two)
-        eng.spec = SpecDecoder(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3}),
-                               _WrongProposer())
+        eng.spec = SpecDecoder(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                                         "gate": "off"}), _WrongProposer())
         drafted = eng.stats().num_spec_draft_tokens
         assert _tokens(two, prompts, GREEDY) == ref
         assert eng.stats().num_spec_draft_tokens > drafted

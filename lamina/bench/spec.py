@@ -172,6 +172,11 @@ def cmd_spec(args: argparse.Namespace, command: str) -> int:
         "num_pauses": st.num_spec_pauses,  # sequences whose drafting paused for low acceptance (spec/adaptive.py)
         # speculation off batch-wide for low acceptance across the batch, and steps over disable_by_batch_size
         "num_batch_pauses": st.num_spec_batch_pauses, "num_batch_size_skips": st.num_spec_batch_size_skips,
+        # steps (over every run, the warm-up too) that verified drafts and that decoded without any, and the
+        # goodput gate's verdicts (spec/goodput.py): drafting turned off where it did not pay / on where it did
+        "gate": spec_cfg.gate, "num_verify_steps": st.num_spec_verify_steps,
+        "num_plain_steps": st.num_spec_plain_steps, "num_goodput_offs": st.num_spec_goodput_offs,
+        "num_goodput_ons": st.num_spec_goodput_ons,
         "greedy_outputs_identical": spec_out == plain_out,
         # outputs (over every run) that differ from the plain run's: with replay, a draft stream that left its
         # reference there (see spec/replay.py)

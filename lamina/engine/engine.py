@@ -375,6 +375,12 @@ class LLMEngine(StepReadback, StepIsolation):
         verify = any(n > 1 for _, _, n in sampled)
         sync = (not self.async_scheduling or verify
                 or (self.spec is not None and self.spec.drafts_next([s for s, _, _ in sampled])))
+        gate_sample = None
+        if self.spec is not None and sampled:
+            self.spec.count_step(verify)
+            if self.spec.step_drafting is not None and all(it.num_sampled and it.num_tokens == it.num_sampled
+                                                           for it in scheduled):
+                gate_sample = (self.spec.step_drafting, len(sampled))  # decode rows only: a goodput sample
         accepted = None
         if verify:
             forced = self.spec.forced_counts(sampled) if self.spec is not None else None
@@ -382,4 +388,4 @@ class LLMEngine(StepReadback, StepIsolation):
             if accepted.device.type == "cuda":  # to the host with the draws (their copy's event is recorded
                 accepted = accepted.to("cpu", non_blocking=True)  # after it): no second sync to read it back
         return InFlight(scheduled, sampled, draws, sync, draws.start_copy() if draws is not None else None,
-                        accepted)
+                        accepted, gate_sample)

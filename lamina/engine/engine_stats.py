@@ -33,6 +33,12 @@ class EngineStats:
     spec_batch_paused: bool = False
     num_spec_batch_pauses: int = 0
     num_spec_batch_size_skips: int = 0
+    # Steps launched that verified drafts and that sampled without any (cumulative), and times the goodput gate
+    # (spec/goodput.py) turned drafting off at a batch size where it did not pay / found it paying.
+    num_spec_verify_steps: int = 0
+    num_spec_plain_steps: int = 0
+    num_spec_goodput_offs: int = 0
+    num_spec_goodput_ons: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -57,7 +63,17 @@ def engine_stats(engine) -> EngineStats:
                        spec_batch_paused=engine.spec.batch_paused if engine.spec is not None else False,
                        num_spec_batch_pauses=engine.spec.batch_gate.num_pauses if engine.spec is not None else 0,
                        num_spec_batch_size_skips=engine.spec.num_batch_size_skips if engine.spec is not None else 0,
+                       **_spec_steps(engine.spec),
                        expert_parallel_routed_tokens=_routed(engine))
+
+
+def _spec_steps(spec) -> dict[str, int]:
+    if spec is None:
+        return {}
+    good = spec.goodput
+    return {"num_spec_verify_steps": spec.num_verify_steps, "num_spec_plain_steps": spec.num_plain_steps,
+            "num_spec_goodput_offs": good.num_offs if good is not None else 0,
+            "num_spec_goodput_ons": good.num_ons if good is not None else 0}
 
 
 def _routed(engine) -> list[int] | None:

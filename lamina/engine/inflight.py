@@ -23,6 +23,8 @@ class InFlight:
     copy: Any = None  # the started device-to-host copy of draws
     # Verify steps: drafts accepted per sampled sequence (same order as `sampled`), counted on the device.
     num_accepted: Any = None
+    # A decode-only step under the goodput gate (spec/goodput.py): (drafting on, decoding sequences).
+    gate_sample: tuple[bool, int] | None = None
 
     def ready(self) -> bool:
         """Its tokens can be read back without waiting for the device (its copy to the host is done)."""

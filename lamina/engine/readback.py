@@ -26,6 +26,8 @@ class StepReadback:
             if not item.num_sampled and not item.seq.finished:  # a prompt chunk: its tokens are all known
                 self.scheduler.register_computed(item.seq, item.seq.num_tokens)
         if flight.draws is None:
+            if self.spec is not None:
+                self.spec.on_read(None, 0)
             return
         result = flight.draws.finish_copy(flight.copy)
         accepted = flight.num_accepted.tolist() if flight.num_accepted is not None else None
@@ -65,6 +67,8 @@ class StepReadback:
             self._accept(seq, idx, tokens, result, row0, now)
         if verified:
             self.spec.record_many(verified)
+        if self.spec is not None:  # the goodput gate times the step (spec/goodput.py)
+            self.spec.on_read(flight.gate_sample, sum(a for _, _, a in verified))
 
     def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:
         """Puts a sequence's new tokens at token_ids[idx:], one at a time with the token stop checks."""

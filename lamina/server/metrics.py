@@ -79,7 +79,15 @@ class ServerMetrics:
                                        registry=r)
         self.spec_batch_pauses = Counter("lamina:spec_decode_num_batch_pauses", "Times speculation turned off "
                                          "batch-wide for low acceptance.", labels, registry=r)
-        self._spec_seen = [0, 0, 0, 0, 0]
+        self.spec_verify_steps = Counter("lamina:spec_decode_num_verify_steps", "Engine steps that verified "
+                                         "drafts.", labels, registry=r)
+        self.spec_plain_steps = Counter("lamina:spec_decode_num_plain_steps", "Engine steps that decoded without "
+                                        "verifying any draft (speculation off or nothing proposed).", labels,
+                                        registry=r)
+        self.spec_goodput_offs = Counter("lamina:spec_decode_num_goodput_offs", "Times drafting turned off at a "
+                                         "batch size where it did not beat plain decoding's tokens/s.", labels,
+                                         registry=r)
+        self._spec_seen = [0] * 8
         self._spec_pos_seen: list[int] = []
         self.ep_routed = Counter("lamina:expert_parallel_routed_tokens", "(token, expert) pairs routed to each "
                                  "expert-parallel rank's experts, summed over MoE layers.", labels + ["rank"],
@@ -207,11 +215,13 @@ class ServerMetrics:
     def _spec(self, stats: EngineStats) -> None:
         m = self._model
         totals = [stats.num_spec_drafts, stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens,
-                  stats.num_spec_pauses, stats.num_spec_batch_pauses]
+                  stats.num_spec_pauses, stats.num_spec_batch_pauses, stats.num_spec_verify_steps,
+                  stats.num_spec_plain_steps, stats.num_spec_goodput_offs]
         self.spec_paused.labels(m).set(stats.num_spec_paused)
         self.spec_batch_paused.labels(m).set(int(stats.spec_batch_paused))
         for i, counter in enumerate((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_pauses,
-                                     self.spec_batch_pauses)):
+                                     self.spec_batch_pauses, self.spec_verify_steps, self.spec_plain_steps,
+                                     self.spec_goodput_offs)):
             if totals[i] > self._spec_seen[i]:
                 counter.labels(m).inc(totals[i] - self._spec_seen[i])
                 self._spec_seen[i] = totals[i]

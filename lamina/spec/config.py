@@ -24,8 +24,12 @@ _OPTIONS = {
 # Options of every method (lamina's own: vLLM has no such gate): drafting pauses per sequence while its
 # acceptance average stays below min_acceptance_rate (0: never), probed again after probe_interval steps; the
 # batch's average turns it off for every sequence the same way; disable_by_batch_size (vLLM's name): no drafting
-# in a step where more than that many sequences decode (None: no limit).
-_GATE = {"min_acceptance_rate", "probe_interval", "disable_by_batch_size"}
+# in a step where more than that many sequences decode (None: no limit). `gate` picks what turns drafting off
+# batch-wide: "goodput" (default; spec/goodput.py) drafts only at batch sizes where it was measured to deliver
+# more tokens/s than plain decoding by gate_margin, "acceptance" only while the batch's acceptance stays above
+# min_acceptance_rate (spec/adaptive.py BatchGate), "off" never (the per-sequence pause is off too).
+_GATE = {"min_acceptance_rate", "probe_interval", "disable_by_batch_size", "gate", "gate_margin"}
+GATES = ("goodput", "acceptance", "off")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.1  # spec/adaptive.py: pause a sequence's drafting below this (0: never)
     probe_interval: int = 64  # decode steps a paused sequence runs without drafts before drafting again
     disable_by_batch_size: int | None = None  # no drafting while more than this many sequences decode
+    gate: str = "goodput"  # what turns drafting off batch-wide: "goodput" | "acceptance" | "off" (see _GATE)
+    gate_margin: float = 0.05  # goodput: drafting turns on when it beats plain tokens/s by this fraction
     acceptance_prob: float = 0.8  # replay (bench only): each draft is the reference token with this probability
     seed: int = 0  # replay: seed of which drafts are right
     # replay: forced acceptance. The verify step's accepted count is the proposer's right/wrong decision, not
@@ -102,9 +108,18 @@ def parse_speculative_config(raw: SpeculativeConfig | dict[str, Any] | str | Non
     rate = raw.get("min_acceptance_rate", 0.1)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
         raise ValueError(f"speculative_config: min_acceptance_rate must be a number in [0, 1], got {rate!r}")
+    # min_acceptance_rate 0 has meant "never stop drafting" since before the goodput gate: without a gate
+    # named, it keeps that meaning (gate "off")
+    which = raw.get("gate", "off" if "min_acceptance_rate" in raw and rate == 0 else "goodput")
+    if which not in GATES:
+        raise ValueError(f"speculative_config: gate must be one of {', '.join(GATES)}, got {which!r}")
+    margin = raw.get("gate_margin", 0.05)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= 10:
+        raise ValueError(f"speculative_config: gate_margin must be a number in [0, 10], got {margin!r}")
     gate = {"min_acceptance_rate": float(rate), "probe_interval": _int(raw, "probe_interval", 64, 1),
             "disable_by_batch_size": (None if raw.get("disable_by_batch_size") is None
-                                      else _int(raw, "disable_by_batch_size", 0, 1))}
+                                      else _int(raw, "disable_by_batch_size", 0, 1)),
+            "gate": which, "gate_margin": float(margin)}
     if method == "ngram":
         lo = _int(raw, "prompt_lookup_min", 1, 1)
         hi = _int(raw, "prompt_lookup_max", max(lo, 4), 1)

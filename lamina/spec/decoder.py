@@ -7,6 +7,8 @@ the device how many stand; engine.py then keeps the accepted tokens and trims th
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,6 +16,7 @@ import numpy as np
 from lamina.engine.request import SeqStatus, Sequence
 from lamina.spec.adaptive import AcceptanceGate, BatchGate, GateSettings
 from lamina.spec.config import SpeculativeConfig
+from lamina.spec.goodput import GoodputGate, GoodputSettings
 from lamina.spec.proposer import Proposer
 
 _PENDING = -1  # lamina.engine.runner.PENDING
@@ -38,16 +41,28 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.proposer = config, proposer
         self.k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
-        # Pauses a sequence's drafting while its acceptance stays low, and everyone's while the batch's does
-        # (spec/adaptive.py).
-        settings = GateSettings(config.min_acceptance_rate, config.probe_interval)
-        self.gate, self.batch_gate = AcceptanceGate(settings), BatchGate(settings)
+        # Pauses a sequence's drafting while its acceptance stays low (spec/adaptive.py), unless gate is "off";
+        # batch-wide, drafting stops where it does not pay (gate "goodput", spec/goodput.py) or while the
+        # batch's acceptance stays low (gate "acceptance").
+        settings = GateSettings(config.min_acceptance_rate if config.gate != "off" else 0.0, config.probe_interval)
+        self.gate = AcceptanceGate(settings)
+        self.batch_gate = BatchGate(settings if config.gate == "acceptance" else GateSettings(min_acceptance_rate=0))
+        self.goodput = (GoodputGate(GoodputSettings(margin=config.gate_margin, probe_interval=config.probe_interval))
+                        if config.gate == "goodput" else None)
+        self.clock = clock  # the goodput gate's step timestamps (injected by the tests)
+        self.step_drafting: bool | None = None  # the goodput gate's verdict for the step being built
+        self._read: list[tuple[bool, int, float]] = []  # goodput samples of the steps read back this engine step
+        self._num_read = self._prev_read = 0  # steps read back in this engine step and the one before
+        self._last_result: float | None = None  # when the previous engine step returned
         self._step = [0, 0]  # drafts verified and accepted this step (for the batch-wide gate)
         self.num_batch_size_skips = 0  # steps without drafting for disable_by_batch_size
+        self.num_verify_steps = 0  # steps launched that verified drafts
+        self.num_plain_steps = 0  # steps launched that sampled without verifying any draft
         # Bench only (replay's forced acceptance): the proposer decides each verify step's accepted count.
         self.forced = bool(getattr(proposer, "forced", False))
 
@@ -102,8 +117,36 @@ class SpecDecoder:
         as without speculation (every sequence paused, speculation off batch-wide, or over the batch limit)."""
         if self._over_batch_limit(len(seqs)) or (self.batch_gate.enabled and not self.batch_gate.would_allow()):
             return False
-        return any(not s.finished and s.num_output_tokens + 1 < s.max_tokens and self.gate.would_allow(s.seq_id)
-                   for s in seqs)
+        going = [s for s in seqs if not s.finished and s.num_output_tokens + 1 < s.max_tokens]
+        if self.goodput is not None and going and not self.goodput.would_allow(len(going)):
+            return False
+        return any(self.gate.would_allow(s.seq_id) for s in going)
+
+    def count_step(self, verify: bool) -> None:
+        """A launched step that samples: whether it verifies drafts."""
+        if verify:
+            self.num_verify_steps += 1
+        else:
+            self.num_plain_steps += 1
+
+    def on_read(self, gate_sample: tuple[bool, int] | None, num_accepted: int) -> None:
+        """A launched step was read back, its sequences keeping num_accepted drafts in all. gate_sample: (drafting
+        on, decoding sequences) of a decode-only step (InFlight.gate_sample), timed by after_step."""
+        self._num_read += 1
+        if gate_sample is not None and self.goodput is not None:
+            drafting, batch = gate_sample
+            self._read.append((drafting, batch, 1.0 + num_accepted / max(1, batch)))
+
+    def _time_step(self) -> None:
+        """The goodput gate's sample: the interval since the previous step's results, when it covers exactly
+        one step read back, a decode-only one (with async scheduling the intervals next to a switch between
+        overlapped and synced steps cover none or two)."""
+        now = self.clock()
+        if self._num_read == 1 and self._prev_read >= 1 and self._read and self._last_result is not None:
+            drafting, batch, tokens = self._read[0]
+            self.goodput.record(drafting, batch, now - self._last_result, tokens)
+        self._prev_read, self._num_read, self._read = self._num_read, 0, []
+        self._last_result = now
 
     def forced_counts(self, sampled: list) -> np.ndarray | None:
         """Forced acceptance (bench only): the accepted count per sampled sequence of a verify step."""
@@ -124,6 +167,8 @@ class SpecDecoder:
         """After each engine step: the step's acceptance goes to the batch-wide gate; a proposer with state of
         its own per sequence (mtp's KV blocks) returns that of the sequences that finished or were preempted
         (its release_stale)."""
+        if self.goodput is not None:
+            self._time_step()
         if self._step[0]:
             self.batch_gate.record(*self._step)
             self._step = [0, 0]
@@ -134,6 +179,7 @@ class SpecDecoder:
     def propose(self, running: list[Sequence]) -> None:
         """Leaves each eligible sequence's drafts in seq.draft_token_ids (the scheduler caps them). The gates
         count this as a decode step of every sequence about to decode, its last token known or not."""
+        self.step_drafting = None
         decoding = []
         for s in running:
             s.draft_token_ids = []  # never verify drafts proposed for an earlier step
@@ -147,6 +193,10 @@ class SpecDecoder:
         if self.batch_gate.enabled and not self.batch_gate.tick():
             self.gate.maybe_log()  # the per-sequence pauses' log line is due even while everyone is off
             return
+        if self.goodput is not None:
+            self.step_drafting = self.goodput.allow(len(decoding))
+            if not self.step_drafting:
+                return
         if self.gate.enabled:
             allowed = self.gate.allow([s.seq_id for s in decoding], {s.seq_id for s in running})
             decoding = [s for s, ok in zip(decoding, allowed) if ok]

@@ -24,7 +24,8 @@ def plain(checkpoints, one_thread):
 
 
 def _with(llm, proposer, **gate):
-    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, **gate})
+    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "gate": "acceptance",
+                                    **gate})
     llm.engine.spec = SpecDecoder(cfg, proposer)
     return llm
 

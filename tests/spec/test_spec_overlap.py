@@ -20,7 +20,8 @@ def plain(checkpoints, one_thread):
 
 
 def _with(llm, proposer, **opts):
-    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, **opts})
+    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "gate": "acceptance",
+                                    **opts})
     llm.engine.spec = SpecDecoder(cfg, proposer)
     return llm
 
