@@ -251,10 +251,21 @@ class LLMEngine(StepReadback, StepIsolation):
 
         Sampled tokens are read back one step late: the next step is built and launched first (its input
         takes the pending tokens straight from the device), so host work overlaps device work. A sequence
-        that stopped on the late token wasted one token of compute, which is discarded.
+        that stopped on the late token wasted one token of compute, which is discarded. A step the next one's
+        inputs depend on (`InFlight.sync`: verify steps, and steps whose sequences draft next) is read back at
+        the start of the next call instead, before that step is built (at once without async scheduling).
         """
         touched: dict[str, RequestGroup] = {}
         self._admit_held(touched)
+        late: list | None = None
+        if self.in_flight is not None and self.in_flight.sync:
+            # A step this one's inputs depend on (a verify step's accepted drafts, or the last token that drafts
+            # follow), left in flight by the previous call under async scheduling: read back here, right before
+            # this step is built, so that what does not change its inputs (the outputs, the goodput gate's
+            # timing, the caller's handling of the outputs, prefix-cache registration: `late`, after the
+            # launch) ran while the device computed it instead of between its read-back and this launch.
+            prev, self.in_flight, late = self.in_flight, None, []
+            self._resolve(prev, touched, late)
         if self.spec is not None:  # drafts for the sequences about to decode (the scheduler budgets them)
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
@@ -278,9 +289,11 @@ class LLMEngine(StepReadback, StepIsolation):
                         self._resolve(prev, touched)
                     self._isolate([s for s in sched.scheduled if not s.seq.finished], exc, touched)
         prev, self.in_flight = self.in_flight, launched
+        if late:
+            self._register_late(late)
         if prev is not None:
             self._resolve(prev, touched)
-        if launched is not None and launched.sync:
+        if launched is not None and launched.sync and not self.async_scheduling:
             self.in_flight = None
             self._resolve(launched, touched)
         if self.spec is not None:  # a proposer's own state of sequences that ended this step goes back now

@@ -11,20 +11,24 @@ import time
 
 from lamina.engine.inflight import PENDING, InFlight
 from lamina.engine.logprobs import sample_logprobs
-from lamina.engine.request import RequestGroup, Sequence
+from lamina.engine.request import RequestGroup, SeqStatus, Sequence
 from lamina.engine.stop import check_token_stop
 from lamina.outputs import CompletionOutput, RequestOutput
 
+_FINISHED, _RUNNING = SeqStatus.FINISHED, SeqStatus.RUNNING
+
 
 class StepReadback:
-    def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup]) -> None:
+    def _resolve(self, flight: InFlight, touched: dict[str, RequestGroup], late: list[Sequence] | None = None) -> None:
+        """Reads a launched step back. late: a list collects the verify sequences whose prefix-cache registration
+        can wait until the next step is launched (_register_late); None: registered here."""
+        groups, sched = self.groups, self.scheduler
         for item in flight.scheduled:
             seq = item.seq
-            if not seq.finished:
-                touched[seq.request_id] = self.groups[seq.request_id]
-        for item in flight.scheduled:
-            if not item.num_sampled and not item.seq.finished:  # a prompt chunk: its tokens are all known
-                self.scheduler.register_computed(item.seq, item.seq.num_tokens)
+            if seq.status is not _FINISHED:
+                touched[seq.request_id] = groups[seq.request_id]
+                if not item.num_sampled:  # a prompt chunk: its tokens are all known
+                    sched.register_computed(seq, seq.num_tokens)
         if flight.draws is None:
             if self.spec is not None:
                 self.spec.on_read(None, 0)
@@ -32,43 +36,68 @@ class StepReadback:
         result = flight.draws.finish_copy(flight.copy)
         accepted = flight.num_accepted.tolist() if flight.num_accepted is not None else None
         now = time.monotonic()
+        drawn = result.token_ids
+        bs, trim_always = sched.block_size, sched.window_group is not None
+        snapshots = self.prefix_cache is not None and self.prefix_cache.snapshots is not None
         row = 0
         verified: list[tuple[int, int, int]] = []  # (seq_id, drafts, accepted) for the speculative decoder
         for i, (seq, idx, n) in enumerate(flight.sampled):
             row0, row = row, row + n
-            if seq.finished:  # aborted, or stopped on an earlier token while this one was in flight
+            if seq.status is _FINISHED:  # aborted, or stopped on an earlier token while this one was in flight
                 continue
-            tokens = result.token_ids[row0:row]
-            if n > 1:  # the first accepted[i] drafts stood (spec/accept.py); the row after them is the model's
-                a = accepted[i]
-                # The accepted drafts equal the draws at their rows, except under the bench's forced acceptance
-                # (spec/replay.py), where the output follows the drafts.
-                tokens = seq.draft_token_ids[:a] + tokens[a:a + 1]
-                seq.draft_token_ids = []
+            if n == 1:
+                self._accept(seq, idx, drawn[row0:row], result, row0, now)
+                continue
+            # A verify row: the first accepted[i] drafts stood (spec/accept.py); the row after them is the
+            # model's. The accepted drafts equal the draws at their rows, except under the bench's forced
+            # acceptance (spec/replay.py), where the output follows the drafts.
+            a = accepted[i]
+            tokens = seq.draft_token_ids[:a]
+            tokens.append(drawn[row0 + a])
+            seq.draft_token_ids = []
+            if a < n - 1:
                 seq.num_computed_tokens -= n - 1 - a  # the rejected drafts' KV is overwritten later
-                if a < n - 1:  # blocks holding only rejected positions go back to the pool
-                    self.scheduler.trim(seq)
+                # blocks holding only rejected positions go back to the pool (trim's test, without the call)
+                if trim_always or seq.num_computed_tokens + bs <= len(seq.block_table) * bs:
+                    sched.trim(seq)
+            if seq.candidate_slots:  # recurrent state: commit the one after the last accepted token
+                if a < n - 1:
+                    # by taking its slot (the old one goes back with the other candidates), not copying it:
+                    # a copy was 2 launches per state tensor per sequence (36 at 18 GDN layers, ~2,300 a
+                    # step at 64 sequences). Safe: a verify step is read back before the next step is
+                    # built, so no launched step still names the old slot, and later ones follow on the
+                    # stream. (Tensor parallelism: the slots travel with each step, nothing to replay.)
+                    seq.state_slot, seq.candidate_slots[a] = seq.candidate_slots[a], seq.state_slot
+                sched.free_candidates(seq)
+            verified.append((seq.seq_id, n - 1, a))
+            if self._no_stop_within(seq, idx, tokens):
+                # The usual case, in one slice (see _accept): the PENDING placeholder becomes the run.
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                seq.token_ids[idx:idx + 1] = tokens
+                if late is None:
+                    sched.register_computed(seq, idx + len(tokens))
+                else:
+                    late.append(seq)
+            else:
                 seq.token_ids[idx + 1:idx + 1] = [PENDING] * a
-                if seq.candidate_slots:  # recurrent state: commit the one after the last accepted token
-                    if a < n - 1:
-                        # by taking its slot (the old one goes back with the other candidates), not copying it:
-                        # a copy was 2 launches per state tensor per sequence (36 at 18 GDN layers, ~2,300 a
-                        # step at 64 sequences). Safe: a verify step is read back before the next step is
-                        # built, so no launched step still names the old slot, and later ones follow on the
-                        # stream. (Tensor parallelism: the slots travel with each step, nothing to replay.)
-                        seq.state_slot, seq.candidate_slots[a] = seq.candidate_slots[a], seq.state_slot
-                    self.scheduler.free_candidates(seq)
-                if self.spec is not None:
-                    verified.append((seq.seq_id, n - 1, a))
                 self._accept(seq, idx, tokens, result, row0, now)
-                if not seq.finished:  # a prefix-cache snapshot only at an accepted position
-                    self.scheduler.snapshot(seq)
-                continue
-            self._accept(seq, idx, tokens, result, row0, now)
-        if verified:
+            if snapshots and seq.status is not _FINISHED:  # a prefix-cache snapshot only at an accepted position
+                sched.snapshot(seq)
+        if verified and self.spec is not None:
             self.spec.record_many(verified)
         if self.spec is not None:  # the goodput gate times the step (spec/goodput.py)
             self.spec.on_read(flight.gate_sample, sum(a for _, _, a in verified))
+
+    def _register_late(self, seqs: list[Sequence]) -> None:
+        """The prefix-cache registration _resolve left for after the next launch (the blocks a verify step's
+        accepted tokens filled): as _commit registers, the tokens still in flight excluded. Sequences that the
+        launched step scheduled were registered by its _commit already (a no-op here); one preempted or
+        finished meanwhile is skipped (its blocks went back unregistered: a lost cache hit, never a wrong one)."""
+        sched = self.scheduler
+        for seq in seqs:
+            if seq.status is _RUNNING:
+                sched.register_computed(seq, seq.num_tokens - (seq.token_ids[-1] == PENDING))
 
     def _accept(self, seq: Sequence, idx: int, tokens: list[int], result, row0: int, now: float) -> None:
         """Puts a sequence's new tokens at token_ids[idx:], one at a time with the token stop checks."""

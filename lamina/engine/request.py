@@ -23,7 +23,7 @@ class DetokState:
     text: str = ""  # all output text decoded so far (before any stop-string cut)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in running` and remove() compared every field of every sequence
 class Sequence:
     seq_id: int
     request_id: str

@@ -119,26 +119,28 @@ class ModelRunner:
         """The step's batch. pending: tokens of the step in flight (PENDING in token_ids), copied into the
         batch on the device. Its sampling parameters: ship_sampling, once the forward is launched."""
         b = len(scheduled)
-        start = np.empty(b, np.int64)
-        ntok = np.empty(b, np.int64)
-        nsamp = np.empty(b, np.int64)
         whole = np.zeros(b, bool)  # prompt logprobs: logits for the whole chunk
         ids: list[int] = []
-        seqs = []
+        seqs, start_l, ntok_l, nsamp_l = [], [], [], []  # Python lists, one numpy conversion each
         for i, item in enumerate(scheduled):
             seq = item.seq
             s, n = seq.num_computed_tokens, item.num_tokens
-            start[i], ntok[i], nsamp[i] = s, n, item.num_sampled
+            start_l.append(s)
+            ntok_l.append(n)
+            nsamp_l.append(item.num_sampled)
             seqs.append(seq)
             if n == 1:
                 ids.append(seq.token_ids[s])
             else:
-                known = seq.num_tokens
+                known = len(seq.token_ids)
                 ids += seq.token_ids[s:s + n]
                 if s + n > known:  # draft tokens being verified
                     ids += seq.draft_token_ids[:s + n - known]
             if seq.wants_prompt_logprobs and seq.needs_prompt_logprobs():
                 whole[i] = True
+        start = np.array(start_l, np.int64)
+        ntok = np.array(ntok_l, np.int64)
+        nsamp = np.array(nsamp_l, np.int64)
         qe = np.cumsum(ntok)
         qs = np.concatenate([[0], qe])
         t = int(qe[-1])
@@ -155,8 +157,8 @@ class ModelRunner:
         dst = np.flatnonzero(input_ids == PENDING)
         src = self._pending_sources(dst, tok_seq, positions, seqs, pending)
         sample_rows = None if not whole.any() else _ragged_arange(lstart + nlog - nsamp, nsamp)
-        sampled = [seq for seq, k in zip(seqs, nsamp.tolist()) for _ in range(k)]
-        offsets = [j for k in nsamp.tolist() for j in range(k)]
+        sampled = [seq for seq, k in zip(seqs, nsamp_l) for _ in range(k)]
+        offsets = [j for k in nsamp_l for j in range(k)]
 
         st = self.staging
         parts = [input_ids, positions, slots, logits_idx, qs.astype(np.int32), seq_lens.astype(np.int32), rows,

@@ -150,13 +150,27 @@ class Scheduler(DraftScheduling):
         if shares is not None:
             self.running = fair_running_order(self.running, shares)
         i = 0
+        # A decode or verify step of a sequence whose blocks already hold it leases nothing: that case is
+        # tested inline (it runs between a verify step's read-back and the next launch, per sequence).
+        bs = self.block_size
+        plain = self.window is None and self.window_group is None
+        snapshots = self.prefix_cache is not None and self.prefix_cache.snapshots is not None
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_output_tokens >= seq.max_tokens:  # its last token is still in flight: nothing to do
+            num_tokens = len(seq.token_ids)
+            if num_tokens - seq.num_prompt_tokens >= seq.max_tokens:  # its last token is still in flight
                 i += 1
                 continue
-            n = self._chunk(seq, budget)
-            drafts = self._drafts(seq, n, budget)
+            n = num_tokens - seq.num_computed_tokens
+            if n > budget or snapshots:
+                n = self._chunk(seq, budget)
+            drafts = self._drafts(seq, n, budget) if seq.draft_token_ids else 0
+            if plain and (seq.num_computed_tokens + n + drafts + bs - 1) // bs <= len(seq.block_table):
+                scheduled.append(ScheduledSeq(seq, n + drafts, drafts + 1 if seq.num_computed_tokens + n ==
+                                              num_tokens else 0))
+                budget -= n + drafts
+                i += 1
+                continue
             while not self._grow(seq, n + drafts):
                 victim = self.running.pop()
                 self._preempt(victim)

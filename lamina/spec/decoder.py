@@ -181,9 +181,15 @@ class SpecDecoder:
         count this as a decode step of every sequence about to decode, its last token known or not."""
         self.step_drafting = None
         decoding = []
+        running_status = SeqStatus.RUNNING
         for s in running:
-            s.draft_token_ids = []  # never verify drafts proposed for an earlier step
-            if self.decodes_next(s):
+            if s.draft_token_ids:
+                s.draft_token_ids = []  # never verify drafts proposed for an earlier step
+            # decodes_next, inlined (this loop runs between a verify step's read-back and the next launch)
+            n = len(s.token_ids)
+            if (s.status is running_status and s.num_computed_tokens == n - 1
+                    and n - s.num_prompt_tokens + 1 < s.max_tokens
+                    and not (s.wants_prompt_logprobs and s.needs_prompt_logprobs())):
                 decoding.append(s)
         if not decoding:
             return
@@ -203,7 +209,10 @@ class SpecDecoder:
         seqs = [s for s in decoding if s.token_ids[-1] != _PENDING]
         if not seqs:
             return
-        for seq, drafts in zip(seqs, self.proposer.propose(seqs, self.k)):
-            seq.draft_token_ids = list(drafts[:self.k])
-            if not seq.draft_token_ids:  # nothing to propose: a run of these pauses it (spec/adaptive.py)
+        k = self.k
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, k)):
+            if len(drafts):
+                # a copy (a slice of a list is one): the scheduler cuts it in place, the proposer may keep its own
+                seq.draft_token_ids = drafts[:k] if isinstance(drafts, list) else list(drafts[:k])
+            else:  # nothing to propose: a run of these pauses it (spec/adaptive.py)
                 self.gate.record_empty(seq.seq_id)

@@ -74,20 +74,26 @@ class ReplayProposer:
 
     def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
         out = []
-        self.decided = {}
+        self.decided = decided = {}
         live = {s.seq_id for s in seqs}
         if len(self._prompts) > 2 * len(live) + 64:  # sequences that ended or paused: hashed again if back
             self._prompts = {sid: v for sid, v in self._prompts.items() if sid in live}
+        prompts, forced = self._prompts, self.forced
         for s in seqs:
-            key, ref, known = self._prompt(s)
+            got = prompts.get(s.seq_id)
+            key, ref, known = got if got is not None else self._prompt(s)
             n = s.num_output_tokens
-            want = ref[n:n + k]
-            if self.forced and len(want) < k:  # any token will do when the count is forced
-                want = want + [(s.token_ids[-1] + 1 + j) % self.vocab for j in range(len(want), k)]
-            right = self._rights(key, known, n, len(want))
+            if n + k <= len(ref):  # the usual case: k reference positions, each decided once already
+                right = known[n:n + k]
+                want = ref[n:n + k]
+            else:
+                want = ref[n:n + k]
+                if forced and len(want) < k:  # any token will do when the count is forced
+                    want = want + [(s.token_ids[-1] + 1 + j) % self.vocab for j in range(len(want), k)]
+                right = self._rights(key, known, n, len(want))
             out.append([t if ok else (t + 1) % self.vocab for t, ok in zip(want, right)])
-            if self.forced:
-                self.decided[s.seq_id] = next((j for j, ok in enumerate(right) if not ok), len(right))
+            if forced:
+                decided[s.seq_id] = right.index(False) if False in right else len(right)
         return out
 
     def forced_counts(self, sampled: list[tuple[Sequence, int, int]]) -> list[int]:
