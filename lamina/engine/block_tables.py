@@ -10,6 +10,7 @@ mirror (the window group's is `window_table`, cache/kv_groups.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -66,31 +67,34 @@ class BlockTables:
     def update(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows of `seqs` (this step's sequences, in order), after updating the host mirror; and the changed
         entries as (flat index into the device table, block id) for apply()."""
-        attr = self.attr
-        width = max(len(getattr(s, attr)) for s in seqs)
-        self._grow(len(seqs), width)
-        rows = np.empty(len(seqs), np.int64)
+        tables = list(map(attrgetter(self.attr), seqs))
+        self._grow(len(seqs), max(map(len, tables)))
+        rows_get, owners, host = self._rows.get, self._owner, self.host
+        w = host.shape[1]
+        rows: list[int] = []
         flat: list[int] = []
         vals: list[int] = []
-        for i, seq in enumerate(seqs):
-            r = self._rows.get(seq.seq_id)
-            if r is None or self._owner[r].seq is not seq:
+        # Runs per sequence between a verify step's read-back and the next launch: the usual sequence kept its
+        # row and table and grew by nothing or a block, so only that is looked at.
+        for seq, table in zip(seqs, tables):
+            r = rows_get(seq.seq_id)
+            if r is None or owners[r].seq is not seq:
                 r = self._free_row()
+                host = self.host  # _free_row may have grown it (same width)
                 self._rows[seq.seq_id] = r
-                self._owner[r] = _Row(seq, getattr(seq, attr), 0)
-            rec = self._owner[r]
-            table = getattr(seq, attr)
+                owners[r] = _Row(seq, table, 0)
+            rec = owners[r]
             if rec.table is not table:
                 rec.table, rec.synced = table, 0
-            if rec.synced < len(table):
-                new = table[rec.synced:]
-                self.host[r, rec.synced:len(table)] = new
-                w = self.host.shape[1]
-                flat += range(r * w + rec.synced, r * w + len(table))
+            synced = rec.synced
+            if synced < len(table):
+                new = table[synced:]
+                host[r, synced:len(table)] = new
+                flat += range(r * w + synced, r * w + len(table))
                 vals += new
                 rec.synced = len(table)
-            rows[i] = r
-        return rows, np.asarray(flat, np.int64), np.asarray(vals, np.int32)
+            rows.append(r)
+        return np.array(rows, np.int64), np.asarray(flat, np.int64), np.asarray(vals, np.int32)
 
     def apply(self, flat: torch.Tensor, vals: torch.Tensor) -> None:
         """Writes the changed entries (device copies of update()'s) into the device table."""

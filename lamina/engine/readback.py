@@ -135,9 +135,9 @@ class StepReadback:
         if n_last >= seq.max_tokens or seq.num_prompt_tokens + n_last >= self.max_model_len:
             return False
         p = seq.params
-        if p.stop_token_ids and any(t in p.stop_token_ids for t in tokens):
+        if p.stop_token_ids and any(map(p.stop_token_ids.__contains__, tokens)):  # (no generator: per sequence)
             return False
-        return p.ignore_eos or not any(t in self.eos_token_ids for t in tokens)
+        return p.ignore_eos or not any(map(self.eos_token_ids.__contains__, tokens))
 
     def _output(self, group: RequestGroup) -> RequestOutput:
         outs = []
