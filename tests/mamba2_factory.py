@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 CHUNK = 16
+# dt clamped from below in both (a clamp that bites on these random weights): transformers >= 5.25 clamps its
+# chunked scan to time_step_limit, earlier versions to time_step_min, so both name the same bound.
+DT_LIMIT = (0.01, float("inf"))
 # Every block kind of the pattern, Mamba layers carrying state across attention and MLP layers.
 NEMOTRON_PATTERN = "M*-M-M"
 NEMOTRON_MOE_PATTERN = "ME*EM"
@@ -17,7 +20,8 @@ FAMILIES = {
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         layers_block_type=[{"M": "linear_attention", "*": "full_attention", "-": "mlp"}[c] for c in NEMOTRON_PATTERN],
         mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=CHUNK,
-        max_position_embeddings=512, initializer_range=0.1, time_step_min=0.01, time_step_max=0.5),
+        max_position_embeddings=512, initializer_range=0.1, time_step_min=0.01, time_step_max=0.5,
+        time_step_limit=DT_LIMIT),
         "NemotronHForCausalLM"),
     # Mamba-2 with MoE blocks (grouped sigmoid routing with a correction bias, relu2 experts, a shared expert).
     "nemotron_h_moe": ("NemotronHConfig", dict(
@@ -27,7 +31,8 @@ FAMILIES = {
         mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=CHUNK,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
         n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        max_position_embeddings=512, initializer_range=0.1, time_step_min=0.01, time_step_max=0.5),
+        max_position_embeddings=512, initializer_range=0.1, time_step_min=0.01, time_step_max=0.5,
+        time_step_limit=DT_LIMIT),
         "NemotronHForCausalLM"),
     "bamba": ("BambaConfig", dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -87,6 +87,11 @@ def test_family_configs(ckpts):
     m = nem.mamba2
     assert (m.num_heads, m.head_dim, m.state_size, m.n_groups, m.chunk_size) == (8, 8, 16, 2, CHUNK)
     assert m.conv_dim == 8 * 8 + 2 * 2 * 16 and m.dt_min == 0.01 and m.dt_max == float("inf")
+    from lamina.models.families.nemotron_h import mamba_spec  # no limit in the config: none (not time_step_min)
+    bare = {k: v for k, v in read_hf_config(ckpts["nemotron_h"]).items() if k != "time_step_limit"}
+    assert (mamba_spec(bare).dt_min, mamba_spec(bare).dt_max) == (0.0, float("inf"))
+    legacy = {**bare, "mamba_dt_limit": [0.05, 2.0]}  # NVIDIA's own config name
+    assert (mamba_spec(legacy).dt_min, mamba_spec(legacy).dt_max) == (0.05, 2.0)
     moe = config_from_hf(read_hf_config(ckpts["nemotron_h_moe"]))
     assert [s.ffn for s in moe.layers] == ["none", "relu2_moe", "none", "relu2_moe", "none"]
     r = moe.relu2_moe

@@ -17,17 +17,12 @@ from typing import Any
 import torch
 
 from lamina.models.config import LayerSpec, Mamba2Spec, ModelConfig, eos_list, rope_params
-from lamina.models.families.common import hf_targets
+from lamina.models.families.common import dt_limit, hf_targets
 from lamina.models.weights import CheckpointMap, Target
 
 ARCHITECTURES = {"BambaForCausalLM": "bamba"}
 _RENAMES = ((".mamba.", ".self_attn."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
             (".feed_forward.", ".mlp."))
-
-
-def _float(value: Any) -> float:
-    """A config float; transformers 5 writes non-finite ones as {"__float__": "Infinity"} (JSON has none)."""
-    return float(value["__float__"]) if isinstance(value, dict) else float(value)
 
 
 def mamba_spec(hf: dict[str, Any]) -> Mamba2Spec:
@@ -38,13 +33,13 @@ def mamba_spec(hf: dict[str, Any]) -> Mamba2Spec:
         head_dim = expand * hidden // heads
     if head_dim * heads != expand * hidden:
         raise ValueError(f"bamba: mamba_d_head {head_dim} x mamba_n_heads {heads} != mamba_expand x hidden_size")
-    limit = hf.get("time_step_limit") or (0.0, float("inf"))
+    dt_min, dt_max = dt_limit(hf.get("time_step_limit"))
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"bamba: unsupported hidden_act {hf['hidden_act']!r}")
     return Mamba2Spec(num_heads=heads, head_dim=head_dim, state_size=hf.get("mamba_d_state", 256),
                       n_groups=hf.get("mamba_n_groups", 1), conv_kernel=hf.get("mamba_d_conv", 4),
                       conv_bias=bool(hf.get("mamba_conv_bias", True)), proj_bias=bool(hf.get("mamba_proj_bias", False)),
-                      chunk_size=hf.get("mamba_chunk_size", 256), dt_min=_float(limit[0]), dt_max=_float(limit[1]),
+                      chunk_size=hf.get("mamba_chunk_size", 256), dt_min=dt_min, dt_max=dt_max,
                       norm_eps=hf.get("rms_norm_eps", 1e-5))
 
 

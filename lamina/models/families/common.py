@@ -36,6 +36,17 @@ _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; we compute them
 
 
+def config_float(value) -> float:
+    """A config float; transformers 5 writes non-finite ones as {"__float__": "Infinity"} (JSON has none)."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
+def dt_limit(value) -> tuple[float, float]:
+    """A Mamba-2 config's time_step_limit (dt clamped to it after softplus); absent or null: (0, inf)."""
+    lo, hi = value if value else (0.0, float("inf"))
+    return config_float(lo), config_float(hi)
+
+
 def hf_target(name: str) -> Target | None:
     """Our target for an HF-named checkpoint tensor (None: not a weight we load)."""
     if any(s in name for s in _IGNORED):

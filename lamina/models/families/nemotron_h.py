@@ -7,9 +7,10 @@ Each layer is norm -> one sublayer -> residual (layers/single_block.py), the sub
   - / mlp:              up -> relu2 -> down, no gate
   E / moe:              grouped sigmoid-routed relu2 experts + a shared expert (layers/relu2_moe.py)
 Plain RMSNorms (weight, no offset), eps layer_norm_epsilon everywhere, the Mamba gated norm over groups of
-intermediate / n_groups channels. HF's mixer clamps dt at time_step_min from below in its chunked scan
-(time_step_limit = (time_step_min, inf)); lamina applies that clamp at every step (HF's single-token update
-does not clamp; the two agree whenever softplus(dt + dt_bias) >= time_step_min).
+intermediate / n_groups channels. dt is clamped to the config's time_step_limit (mamba_dt_limit in NVIDIA's
+configs; default (0, inf): no clamp), as in Mamba-2's own kernels and transformers >= 5.25; transformers
+before 5.25 clamped its chunked scan at time_step_min instead (not its single-token update), which only
+changes tokens whose softplus(dt + dt_bias) falls below time_step_min.
 
 Checkpoint names: backbone.embeddings / backbone.layers.N.norm / backbone.layers.N.mixer.* / backbone.norm_f
 (as NVIDIA's checkpoints and transformers' save_pretrained write them; model.* is accepted too); the mixer
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from lamina.models.config import LayerSpec, Mamba2Spec, ModelConfig, Relu2MoESpec, eos_list
-from lamina.models.families.common import hf_targets
+from lamina.models.families.common import dt_limit, hf_targets
 from lamina.models.weights import CheckpointMap, Target
 
 ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h"}
@@ -58,13 +59,14 @@ def _get(hf: dict[str, Any], name: str, legacy: str, default: Any) -> Any:
 def mamba_spec(hf: dict[str, Any]) -> Mamba2Spec:
     if hf.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"nemotron_h: unsupported mamba_hidden_act {hf['mamba_hidden_act']!r}")
+    dt_min, dt_max = dt_limit(_get(hf, "time_step_limit", "mamba_dt_limit", None))
     return Mamba2Spec(num_heads=hf["mamba_num_heads"], head_dim=hf["mamba_head_dim"],
                       state_size=hf.get("ssm_state_size", 128), n_groups=_get(hf, "n_groups", "mamba_n_groups", 8),
                       conv_kernel=_get(hf, "conv_kernel", "mamba_d_conv", 4),
                       conv_bias=bool(_get(hf, "use_conv_bias", "mamba_conv_bias", True)),
                       proj_bias=bool(hf.get("use_bias", False)),
                       chunk_size=_get(hf, "chunk_size", "mamba_chunk_size", 128),
-                      dt_min=float(_get(hf, "time_step_min", "mamba_dt_min", 0.001)), dt_max=float("inf"),
+                      dt_min=dt_min, dt_max=dt_max,
                       norm_eps=hf.get("layer_norm_epsilon", 1e-5))
 
 
