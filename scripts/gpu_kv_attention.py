@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,9 @@ OPTS = AP.parse_args()
 if OPTS.interpret:
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_timing  # noqa: E402
 import torch  # noqa: E402
 
 if OPTS.interpret:
@@ -81,28 +82,13 @@ def problem(b: int, n: int, seed: int):
 
 
 def time_us(fns, calls: int = 20, reps: int = 5) -> float:
-    """Median microseconds per call of `calls` calls (cycling over problem copies) in one CUDA graph."""
+    """Median microseconds per call of `calls` calls (cycling over problem copies) in one CUDA graph
+    (gpu_timing.time_us); on the CPU one call's wall clock (a smoke test, not a measurement)."""
     if not CUDA:
         t0 = time.perf_counter()
         fns[0]()
         return (time.perf_counter() - t0) * 1e6
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(times)
+    return gpu_timing.time_us(lambda i: fns[i % len(fns)](), copies=calls, reps=reps)
 
 
 def rel_err(out, ref) -> float:
