@@ -253,17 +253,15 @@ class LLMEngine(StepReadback, StepIsolation):
         takes the pending tokens straight from the device), so host work overlaps device work. A sequence
         that stopped on the late token wasted one token of compute, which is discarded. A step the next one's
         inputs depend on (`InFlight.sync`: verify steps, and steps whose sequences draft next) is read back at
-        the start of the next call instead, before that step is built (at once without async scheduling).
+        the start of the next call instead, before that step is built (at once without async scheduling): what
+        does not change the next step's inputs (outputs, the gate's timing, the caller's output handling) then
+        runs while the device computes the step, not between its read-back and the next launch.
         """
         touched: dict[str, RequestGroup] = {}
         self._admit_held(touched)
         late: list | None = None
         if self.in_flight is not None and self.in_flight.sync:
-            # A step this one's inputs depend on (a verify step's accepted drafts, or the last token that drafts
-            # follow), left in flight by the previous call under async scheduling: read back here, right before
-            # this step is built, so that what does not change its inputs (the outputs, the goodput gate's
-            # timing, the caller's handling of the outputs, prefix-cache registration: `late`, after the
-            # launch) ran while the device computed it instead of between its read-back and this launch.
+            # (the docstring's sync step; its prefix-cache registration, `late`, waits until after this launch)
             prev, self.in_flight, late = self.in_flight, None, []
             self._resolve(prev, touched, late)
         if self.spec is not None:  # drafts for the sequences about to decode (the scheduler budgets them)
