@@ -71,7 +71,19 @@ def decode_fp8():
             yield f"decode_fp8 v_words={words} prep={prep}", tda._decode_packed_kernel, sig, consts
 
 
-GROUPS = {"decode_prep": decode_prep, "decode_fp8": decode_fp8}
+def wq_kn():
+    """The repacked 4-bit decode GEMVs: one row per program, and ROWS rows sharing each word (split-K on)."""
+    from lamina.kernels import triton_wq_gemv_kn as kn
+
+    sig = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", o_ptr="*bf16", y_ptr="*bf16", ws_ptr="*fp32",
+               lock_ptr="*i32", M="i32", N="i32", KW="i32", stride_xm="i32", stride_qk="i32", stride_sg="i32",
+               stride_ym="i32", SPLIT_K="i32")
+    for rows, block_n in ((4, 128), (16, 64)):
+        consts = dict(GROUP=128, ROWS=rows, BLOCK_N=block_n, BLOCK_KW=8, STEPS=4, SPLIT_P2=4, ASM=True)
+        yield f"wq_kn rows={rows} n{block_n}", kn._kn_rows_kernel, sig, consts
+
+
+GROUPS = {"decode_prep": decode_prep, "decode_fp8": decode_fp8, "wq_kn": wq_kn}
 
 
 def main(names: list[str]) -> int:

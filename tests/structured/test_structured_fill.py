@@ -228,9 +228,12 @@ def test_overlapped_fill_equals_fill_after_forward_and_sync(engines, monkeypatch
         jsonschema.validate(json.loads(overlapped.tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
 
 
-def test_accepts_on_the_loop_engine_equals_sync(engines):
-    """The opt-in mode (accepts on the step loop, no wait for the worker's start, a lowered switch interval)
-    in the engine: the same tokens as the synchronous loop, 16 rows of which half are constrained."""
+@pytest.mark.parametrize("mode", ["accept_on_loop", "pipe"])
+def test_opt_in_fill_modes_in_the_engine_equal_sync(engines, mode):
+    """The opt-in fill modes in the engine: accepts on the step loop (no wait for the worker's start, a lowered
+    switch interval), and LAMINA_GRAMMAR_FILL_PIPE (one batch accept and one batch fill on a worker the loop
+    does not wait for). The same tokens as the synchronous loop, 16 rows of which half are constrained, and
+    every constrained output valid against the schema."""
     overlapped, sync = engines
     prompts = [f"Invent person {i} with a name and an age, as JSON." for i in range(16)]
 
@@ -239,27 +242,9 @@ def test_accepts_on_the_loop_engine_equals_sync(engines):
                               structured_outputs=SO(json=SCHEMA) if i % 2 == 0 else None)
 
     default = overlapped.structured._filler
-    overlapped.structured._filler = MaskFiller(2, min_rows=1, wait_start=False, accept_on_loop=True, switch_us=100)
-    try:
-        assert _run(overlapped, prompts, params_of) == _run(sync, prompts, params_of)
-    finally:
-        overlapped.structured._filler.close()
-        overlapped.structured._filler = default
-
-
-def test_pipe_engine_equals_sync(engines):
-    """LAMINA_GRAMMAR_FILL_PIPE (one batch accept and one batch fill on a worker the loop does not wait for) in
-    the engine: the same tokens as the synchronous loop, 16 rows of which half are constrained, and every
-    constrained output valid against the schema."""
-    overlapped, sync = engines
-    prompts = [f"Invent person {i} with a name and an age, as JSON." for i in range(16)]
-
-    def params_of(i):
-        return SamplingParams(temperature=0, max_tokens=40 if i % 2 == 0 else 12,
-                              structured_outputs=SO(json=SCHEMA) if i % 2 == 0 else None)
-
-    default = overlapped.structured._filler
-    overlapped.structured._filler = MaskFiller(2, min_rows=1, pipe=True)
+    overlapped.structured._filler = (
+        MaskFiller(2, min_rows=1, wait_start=False, accept_on_loop=True, switch_us=100) if mode == "accept_on_loop"
+        else MaskFiller(2, min_rows=1, pipe=True))
     try:
         got = _run(overlapped, prompts, params_of)
     finally:
