@@ -356,6 +356,10 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
     kv8 = k_cache.dtype == torch.float8_e4m3fn and fp8_words_wanted()
     cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms, kv8),
                               **{"v_words": kv8, **(tune or {})})
+    if tune and "heads" in tune and "block_n" not in tune:
+        # The table's tiles are for one KV head per program, and a program stages heads x block_n rows: keep
+        # its rows (FP8's 128-token rows x 8 heads x 3 stages asked for 428 KB of shared memory on an H100).
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // max(cfg.heads, 1)))
     heads, groups, splits = plan_splits(b, hkv, cfg.heads, sms)
     splits = num_splits or splits
     assert splits & (splits - 1) == 0 and splits <= 256, splits

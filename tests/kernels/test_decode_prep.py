@@ -24,9 +24,11 @@ def test_prep_attention_matches_prep_then_attention(splits, norm, fp8):
     lens = [5, 11]
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
     slots = torch.tensor([int(tables[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(lens)])
-    meta = AttentionMetadata(slots.to(DEV), torch.arange(3, dtype=torch.int32, device=DEV),
-                             torch.tensor(lens, dtype=torch.int32, device=DEV), tables.to(DEV), [0, 1, 2], lens, 1,
-                             max(lens))
+
+    def meta_on(dev):  # the reference runs on the host, the kernel on DEV: each its own addressing
+        return AttentionMetadata(slots.to(dev), torch.arange(3, dtype=torch.int32, device=dev),
+                                 torch.tensor(lens, dtype=torch.int32, device=dev), tables.to(dev), [0, 1, 2], lens,
+                                 1, max(lens))
     qkv = torch.randn(2, (hq + 2 * hkv) * d, generator=gen).to(dtype)
     q = qkv[:, :hq * d].view(2, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(2, hkv, d)
@@ -43,11 +45,11 @@ def test_prep_attention_matches_prep_then_attention(splits, norm, fp8):
     ws = [(torch.rand(d, generator=gen) + 0.5).to(dtype) for _ in range(2)] if norm else [None, None]
     fl = [w.float() if w is not None else None for w in ws]
     rkc, rvc = (kc.clone(), vc.clone()) if fp8 else (kc.float().clone(), vc.float().clone())
-    ref = prep_attention_ref(q.float(), k.float(), v.float(), pos, table, rkc, rvc, meta, d ** -0.5, None, None,
+    ref = prep_attention_ref(q.float(), k.float(), v.float(), pos, table, rkc, rvc, meta_on("cpu"), d ** -0.5, None, None,
                              *fl, 1e-6, 0.0)
     gkc, gvc = kc.to(DEV), vc.to(DEV)
     dv = [t.to(DEV) if t is not None else None for t in ws]
-    out = prep_attention(q.to(DEV), k.to(DEV), v.to(DEV), pos.to(DEV), table.to(DEV), gkc, gvc, meta, d ** -0.5,
+    out = prep_attention(q.to(DEV), k.to(DEV), v.to(DEV), pos.to(DEV), table.to(DEV), gkc, gvc, meta_on(DEV), d ** -0.5,
                          None, None, *dv, 1e-6, 0.0, num_splits=splits)
     tol = 3e-2 if fp8 else TOL[dtype]
     assert rel_err(gkc.view(-1, hkv, d)[slots.to(DEV)].float(), rkc.view(-1, hkv, d)[slots].float()) < tol
