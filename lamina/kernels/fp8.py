@@ -6,8 +6,9 @@ A weight is stored as float8_e4m3fn [N, K] with fp32 scales that multiply it bac
 
 `fp8_linear` is the one entry point. The torch reference (CPU, and the oracle) dequantizes the weight to the
 activation dtype and calls F.linear: weight-only, no activation rounding. On CUDA:
-- M <= 16 rows: the Triton GEMV (triton_fp8_gemv.py), or with LAMINA_FP8_SKINNY the skinny tensor-core GEMM
-  (triton_fp8_skinny.py), reads FP8 and accumulates fp32, activations unrounded;
+- M <= 16 rows: the Triton GEMV (triton_fp8_gemv.py) at one row (and off Hopper), the skinny tensor-core GEMM
+  (triton_fp8_skinny.py) at 2..16 on Hopper (LAMINA_FP8_SKINNY overrides); both read FP8 and accumulate fp32,
+  activations unrounded;
 - more rows, block scales: activations quantized per token and per bk-wide group, then the Triton
   block-scaled GEMM on FP8 tensor cores (triton_fp8_gemm.py), or (on Hopper: block_gemm(), 128x128 blocks
   only) torch._scaled_mm's blockwise (1x128 activations, 128x128 weights) scaling;
@@ -37,8 +38,10 @@ MAX_GEMV_M = 16
 # GEMM and 790 for bf16), the Triton GEMM elsewhere (torch refuses blockwise scales off sm90 here).
 # LAMINA_FP8_BLOCK_GEMM=triton|scaled_mm overrides.
 BLOCK_GEMM_ENV = "LAMINA_FP8_BLOCK_GEMM"
-# LAMINA_FP8_SKINNY=tc16|tc sends 2..16 rows to the skinny tensor-core GEMM (triton_fp8_skinny.py) instead of
-# the GEMV; with "+m1" (tc16+m1) one row too. Unset: the GEMV (not yet timed on the H200: GPU stage fp8skinny).
+# The skinny tensor-core GEMM (triton_fp8_skinny.py) takes 2..16 rows on Hopper by default: Qwen3-8B's 36 layers
+# (H100, 2026-12-07, benchmarks/results/2026-12-07-h100/fp8skinny) 3.68-3.76 ms at M = 2..16 against the GEMV's
+# 4.50-5.14 (bf16: 5.24-5.40); one row stays on the GEMV (3.33 ms against the skinny GEMM's 3.71).
+# LAMINA_FP8_SKINNY overrides: tc16|tc (2..16 rows on any GPU), "+m1" (tc16+m1) one row too, "off" the GEMV.
 SKINNY_ENV = "LAMINA_FP8_SKINNY"
 _TINY = 1e-12  # an all-zero row or block gets this scale instead of 0 (0/0 would be NaN)
 
@@ -114,11 +117,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return fp8_linear_ref(x, weight, scale, block, bias)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    if m <= MAX_GEMV_M and skinny_variant(m):
+    variant = skinny_variant(m, device=x2.device) if m <= MAX_GEMV_M else None
+    if variant:
         from lamina.kernels.triton_fp8_skinny import default_config, fp8_skinny
 
         n, k = weight.shape
-        config = default_config(m, n, k, block, x2.device, skinny_variant(m))
+        config = default_config(m, n, k, block, x2.device, variant)
         if block is None or not (block[1] & (block[1] - 1) or block[1] % config.block_k):
             y = fp8_skinny(x2.contiguous(), weight, scale, block, bias, config=config)
         else:  # a scale block width the K steps cannot divide: the GEMV
@@ -138,9 +142,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def skinny_variant(m: int, env: str | None = None) -> str | None:
-    """The skinny GEMM variant LAMINA_FP8_SKINNY picks for m rows (None: the GEMV)."""
+def skinny_variant(m: int, env: str | None = None, device: torch.device | None = None) -> str | None:
+    """The skinny GEMM variant for m rows (None: the GEMV): LAMINA_FP8_SKINNY's, else "tc" for 2..16 rows on
+    a Hopper GPU (the only one it was timed on)."""
     env = os.environ.get(SKINNY_ENV, "") if env is None else env
+    if not env and device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        env = "tc"
     variant, _, rows = env.partition("+")
     if variant not in ("tc", "tc16") or (m == 1 and rows != "m1"):
         return None

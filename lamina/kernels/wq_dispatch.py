@@ -15,7 +15,9 @@ benchmarks/results/2026-12-02d/call7/night/wqkn.log):
              | 24.6, down 16.8 us; kn default 13.7/12.2/35.0/ |
              | 22.6; old gemv 13.8/9.9/40.6/24.5)             |
     2..16    | dot, BLOCK_M = 16 (M = 16: qkv 18.1 us; the   | dot, BLOCK_M = 16
-             | one-row GEMVs at M = 4: kn 37.6, old 42.6)    |
+             | one-row GEMVs at M = 4: kn 37.6, old 42.6);   |
+             | since the H100 run of 2026-12-07 (wqkn) with  |
+             | 256-wide K steps, the tuner's pick there      |
     > 16     | dot (prefill tiles; kn_matmul: 48 vs 343 TF/s) | dot
 
 Timed (LAMINA_WQ_TUNE=1; off by default until the GPU numbers say the start-up compiles pay): once per
@@ -95,6 +97,8 @@ def candidates_for(m: int, n: int, k: int, group: int, bits: int, sms: int, has_
         tiles = triton.cdiv(n, 64)
         split64 = max(1, min(triton.cdiv(sms, tiles), 4))
         cands += [WqPath("old", WqConfig("dot_join", 16, 32, 256, 1, num_warps=4, num_stages=3)),
+                  WqPath("old", WqConfig("dot_join", 16, 32, 128, max(1, min(triton.cdiv(sms, triton.cdiv(n, 32)), 8)),
+                                         num_warps=4, num_stages=4)),  # the untimed pick until 2026-12-07
                   WqPath("old", WqConfig("dot_join", 16, 64, 128, split64, num_warps=4, num_stages=4))]
         if has_kn and bits == 4:
             # sm_90 ptxas, no spills: r4 n128 kw8 167 registers, r8 n64 kw8 167, r8 n128 kw8 230, r16 n64 249

@@ -76,6 +76,7 @@ def test_skinny_switch_parsing():
     assert skinny_variant(4, "") is None and skinny_variant(4, "fma") is None
     assert skinny_variant(4, "tc16") == "tc16" and skinny_variant(1, "tc16") is None
     assert skinny_variant(1, "tc+m1") == "tc" and skinny_variant(16, "tc+m1") == "tc"
+    assert skinny_variant(4, "off") is None and skinny_variant(4, "", device=torch.device("cpu")) is None
 
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the script is the benchmark itself (gpu_night.sh fp8skinny)")
