@@ -67,7 +67,7 @@ sel fp8check && stage fp8check ${FC_S:-40} python3 scripts/fp8_default_check.py
 # Issue 15's FP8 KV target: the FP8 KV kernels checked on the GPU, decode attention bf16 vs FP8 cache at
 # (64, 4k), (256, 800), (1, 32k), then bf16 vs FP8 KV on a decode-heavy KV-bound workload (random Qwen3-8B, a
 # 7 GiB pool, 80 prompts of 1-2k with 1-1.5k out). KV8_ARGS: e.g. "--num-prompts 64" if it runs long.
-sel kvfp8 && stage kvfp8 ${KV8_S:-240} env LAMINA_FP8_V_WORDS=${KV8_WORDS:-1} python3 scripts/gpu_kv_fp8.py --budget $(( ${KV8_S:-240} - 8 )) ${KV8_ARGS:-}
+sel kvfp8 && stage kvfp8 ${KV8_S:-240} env LAMINA_FP8_V_WORDS=${KV8_WORDS:-0} python3 scripts/gpu_kv_fp8.py --budget $(( ${KV8_S:-240} - 8 )) ${KV8_ARGS:-}
 # Hybrid verify forward vs decode forward, op by op (batch 1, eager, 8 layers of the 80B-A3B shape; issue 14).
 sel specprof && stage specprof ${SP_S:-120} python3 scripts/spec_verify_profile.py --layers ${SP_LAYERS:-8}
 # Issue 14's goodput gate (specgate): forced-acceptance Qwen3-8B at batch 1 and 64, p = 0.8 / 0.0 / 0.5, gate off

@@ -122,6 +122,7 @@ class _Group:
     # One sequence whose blocks are one ascending run of the pool (the usual case at batch 1): its context is
     # flat slots [span[0], span[0] + span[1]), which attention reads in place instead of gathering a copy.
     span: tuple[int, int] | None = None
+    every_row: bool = False  # q_rows is every row of the step in order (the only group): no gather, no scatter
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         for window, m in self.masks:
@@ -169,7 +170,8 @@ def plan_attention(meta: AttentionMetadata, bs: int, windows: tuple[int | None, 
             span = _span(blocks[0], lens[rows[0]], bs)
         else:
             q_rows = torch.tensor([r for i in rows for r in range(qs[i], qs[i + 1])], device=device)
-        plans.append(_Group(q_rows, blocks, q_pos, len(rows), qlen, bs, masks, span))
+        every = len(groups) == 1 and len(rows) * qlen == qs[-1]
+        plans.append(_Group(q_rows, blocks, q_pos, len(rows), qlen, bs, masks, span, every))
     return AttentionPlan(bs, tuple(plans))
 
 
@@ -192,14 +194,15 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, Dv], reading all K/V (this step's included) from the pool.
     softcap: tanh soft-capping of the scores (None or 0: off)."""
-    alloc = torch.zeros if 0 in meta.seq_lens_cpu else torch.empty
-    out = alloc(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
     bs = k_cache.shape[1]
     plan = meta.ref_plan
     if plan is None or plan.block_size != bs:
         plan = plan_attention(meta, bs, (sliding_window,))
+    alloc = torch.zeros if 0 in meta.seq_lens_cpu else torch.empty
+    out = None if plan.groups and plan.groups[0].every_row else \
+        alloc(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
     for g in plan.groups:
-        q_rows = q.index_select(0, g.q_rows).view(g.batch, g.qlen, *q.shape[1:])
+        q_rows = (q if g.every_row else q.index_select(0, g.q_rows)).view(g.batch, g.qlen, *q.shape[1:])
         if g.span is not None:  # in place: SmolLM2 at batch 1 on 2 CPU cores, the gathers were ~4 ms of 28
             start, n = g.span
             k = k_cache.view(-1, *k_cache.shape[2:]).narrow(0, start, n)[None]
@@ -213,6 +216,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             k, v = _gather_blocks(k_cache, g.blocks), _gather_blocks(v_cache, g.blocks)
             mask = g.mask(sliding_window)
         res = _attend(q_rows, k, v, mask, scale, softcap or None)
+        if g.every_row:
+            return res.reshape(-1, *res.shape[2:])
         out.index_copy_(0, g.q_rows, res.reshape(-1, *res.shape[2:]))
     return out
 

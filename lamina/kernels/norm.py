@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lamina.kernels.dispatch import use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     # Computed in fp32 like HF's LlamaRMSNorm, then cast back; `offset` covers Gemma's (1 + w) weights.
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and not offset:
+        # The same fp32 math as one op instead of seven: ~9 us less per norm on the CPU (SmolLM2: 61 a step).
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (weight.float() + offset)).to(x.dtype)

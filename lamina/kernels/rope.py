@@ -60,6 +60,10 @@ def apply_rope_ref(
             return _rotate(x, cos, sin)
         return torch.cat([_rotate(x[..., :rot_dim], cos, sin), x[..., rot_dim:]], dim=-1)
 
+    if rot_dim == q.shape[-1] == k.shape[-1] and q.dtype == k.dtype:
+        # q and k rotated as one tensor: half the small ops (the CPU path runs this per layer per step)
+        qk = rot(torch.cat([q, k], dim=1))
+        return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
     return rot(q), rot(k)
 
 

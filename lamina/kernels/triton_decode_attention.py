@@ -61,9 +61,11 @@ DECODE_TABLE: dict[tuple[str, int, str], DecodeConfig] = {
     ("16", 256, "wide"): DecodeConfig(1, 32, 4, 2, False),
     # FP8 cache (16-bit q): tokens per step doubled where that keeps bf16's shared memory and occupancy (V is
     # staged as f16 for the PV dot, so a 128-token FP8 step takes the 72 KB a 128-token bf16 step does). ptxas
-    # (scripts/ptxas_decode_attention.py --fp8): direct 80 registers / 72 KB (3 CTAs per SM), split and wide
-    # 114 / 104 KB (2 CTAs). Unmeasured: `scripts/gpu_kv_attention.py` sweeps them against the bf16 table.
-    ("8", 128, "direct"): DecodeConfig(1, 128, 8, 2, False),
+    # (scripts/ptxas_decode_attention.py --fp8): split and wide 114 registers / 104 KB (2 CTAs). Timed on an
+    # H100 (2026-12-07, scripts/gpu_kv_attention.py, Hq 32 / Hkv 8 / D 128): split (64 x 4k) 231 us and wide
+    # (1 x 32k) 38.8 us, as good as any swept tile; direct (256 x 800) took 64 tokens, 4 warps, 3 stages, ids
+    # ahead: 193.5 us against 231.5 for the 128 x 8 x 2 it had (bf16 cache: 292.6).
+    ("8", 128, "direct"): DecodeConfig(1, 64, 4, 3, True),
     ("8", 128, "split"): DecodeConfig(1, 128, 8, 3, True),
     ("8", 128, "wide"): DecodeConfig(1, 128, 8, 3, True),
     ("8", 256, "direct"): DecodeConfig(1, 32, 4, 2, False),
@@ -127,8 +129,8 @@ def fp8_v_words(q: torch.Tensor, v_cache: torch.Tensor, cfg: DecodeConfig) -> in
 
 
 def fp8_words_wanted() -> bool:
-    """LAMINA_FP8_V_WORDS=1: an FP8 cache decodes with the FP8 table rows and V read as words (opt-in until
-    timed on a GPU; `tune={"decode_v_words": ...}` overrides per call)."""
+    """LAMINA_FP8_V_WORDS=1: an FP8 cache's V read as words (no faster than the plain read on the H100, so
+    opt-in; `tune={"decode_v_words": ...}` overrides per call)."""
     return os.environ.get("LAMINA_FP8_V_WORDS", "0") == "1"
 
 
@@ -351,11 +353,11 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
     g, b = hq // hkv, meta.num_seqs
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     sms = device_sms(q.device)
-    # The FP8 rows of the table and the word-wise V read go together and are opt-in until timed on a GPU
-    # (LAMINA_FP8_V_WORDS=1): both compiled for sm_90 and checked in the interpreter, neither has run natively.
-    kv8 = k_cache.dtype == torch.float8_e4m3fn and fp8_words_wanted()
+    # An FP8 cache takes the table's FP8 rows; V read as words only under LAMINA_FP8_V_WORDS=1 (H100,
+    # 2026-12-07: words 232.9 / 232.9 / 38.6 us against plain 231.2 / 231.5 / 38.8 at 64 x 4k, 256 x 800, 1 x 32k).
+    kv8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms, kv8),
-                              **{"v_words": kv8, **(tune or {})})
+                              **{"v_words": kv8 and fp8_words_wanted(), **(tune or {})})
     if tune and "heads" in tune and "block_n" not in tune:
         # The table's tiles are for one KV head per program, and a program stages heads x block_n rows: keep
         # its rows (FP8's 128-token rows x 8 heads x 3 stages asked for 428 KB of shared memory on an H100).

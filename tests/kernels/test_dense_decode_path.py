@@ -69,6 +69,7 @@ def test_fused_decode_layer_matches_separate_ops(act, first, rows, monkeypatch):
     import lamina.kernels.triton_gemv as tg
     from lamina.kernels.gemv import GemvDispatcher
 
+    monkeypatch.setenv("LAMINA_FUSED_DENSE_DECODE", "1")  # the prologues (the default is the epilogues)
     layer, k, v = _layer(act)
     x = torch.randn(3, 64).half()
     residual = None if first else torch.randn(3, 64).half()
@@ -152,6 +153,15 @@ def test_epilogue_modes_match_separate_ops(mode, want_kinds, act, rows, monkeypa
     assert rel_err(got, want) < 2 * TOL[torch.float16]
     assert rel_err(got_res, want_res) < TOL[torch.float16]
     assert rel_err(got_k, want_k) < TOL[torch.float16]
+
+
+def test_default_fusions_are_the_epilogues(monkeypatch):
+    from lamina.models.layers.dense_decode_path import fusions
+
+    monkeypatch.delenv("LAMINA_FUSED_DENSE_DECODE", raising=False)
+    assert fusions() == {"epi_post", "epi_act"}
+    monkeypatch.setenv("LAMINA_FUSED_DENSE_DECODE", "1")
+    assert fusions() == {"pro_in", "pro_post", "pro_act"}
 
 
 def test_unknown_fusion_name_raises(monkeypatch):
