@@ -2,9 +2,9 @@
 and is probed again later.
 
 Per sequence, its accepted and its proposed drafts summed over its verify steps, each sum decaying by
-`seq_alpha` a verify step (a window of ~1/seq_alpha steps), and a third of a step's drafts added to the
+`seq_alpha` a verify step (a window of ~1/seq_alpha steps), and half a step's drafts added to the
 accepted sum (a prior, so that a few unlucky steps are not taken for a drafter that never matches): once it
-has at least `min_verifies` verify steps and (accepted + K/3) / proposed is below `min_acceptance_rate`, the
+has at least `min_verifies` verify steps and (accepted + K/2) / proposed is below `min_acceptance_rate`, the
 sequence decodes plainly for `probe_interval` decode steps (no proposal, no verify: a wrong drafter then
 costs nothing); after that it drafts again from fresh sums, so a text that became predictable (a quoted
 passage, code being repeated) gets speculation back. Output never changes: drafts are only ever guesses.
@@ -38,8 +38,8 @@ class GateSettings:
     # AcceptanceGate: decay of a sequence's sums per verify step. Not an EWMA of each step's rate with weight
     # 0.3 (as before): one sequence's accepted count is mostly 0 or K (at acceptance 0.5 and K = 3, 0 half
     # the time), so three or four steps of 0 in a row took that average below 0.1 and paused a sequence
-    # accepting 29% of its drafts within 64 verify steps 92% of the time (simulated; 9% now, and a sequence
-    # accepting none still pauses after min_verifies steps).
+    # accepting 29% of its drafts within 64 verify steps 92% of the time (simulated; 1.4% now, and a sequence
+    # accepting none pauses after 7 steps, was 4).
     seq_alpha: float = 0.1
     max_empty: int = 16  # proposals in a row that came back empty before a sequence pauses
 
@@ -120,8 +120,8 @@ class AcceptanceGate:
         g.accepted = g.accepted * keep + num_accepted
         g.proposed = g.proposed * keep + num_drafts
         g.verifies += 1
-        # (with none accepted, K/3 / proposed drops below 0.1 at the 4th verify step, whatever K is)
-        if g.verifies >= s.min_verifies and g.accepted + num_drafts / 3.0 < s.min_acceptance_rate * g.proposed:
+        # (with none accepted, K/2 / proposed drops below 0.1 at the 7th verify step, whatever K is)
+        if g.verifies >= s.min_verifies and g.accepted + 0.5 * num_drafts < s.min_acceptance_rate * g.proposed:
             g.paused_for = s.probe_interval
             self.num_pauses += 1
 
