@@ -11,7 +11,9 @@ What is measured is what the user sees: the interval between two consecutive ste
 own timestamps, after_step of SpecDecoder), attributed to the step read back in that interval. Under async
 scheduling a plain step is read back one call late, so a clean interval needs exactly one step read back in
 this call and at least one in the previous; the intervals around a switch between overlapped and synced
-steps are dropped (SpecDecoder does this). Steps holding a prompt chunk are not samples either.
+steps are dropped (SpecDecoder does this). Steps holding a prompt chunk are not samples either, nor a step
+with drafting on that verified no draft (its sequences paused or their last token in flight: a plain step's
+cost and 1 token, which read as drafting that does not pay), nor a plain step held for the next one's drafts.
 
 Per bucket (the number of decoding sequences rounded up to a power of two): an EWMA of the plain step's
 interval, and with drafting on an EWMA of the interval and of the tokens each sequence got from the step
