@@ -7,9 +7,11 @@ decision: the device work of a real verify step at acceptance p), at batch 1 and
 
 Each run is a warm-up pass then a timed pass of fresh prompts with the same speculative decoder, so the goodput
 gate enters the timed pass with what it learned in the warm-up (as a server's would: its verdicts outlive
-requests); the timed pass's verify and plain steps are counted. Expected: at batch 1 and p = 0.8 both near
-the forced stage's ~2x; at 64 and p = 0, gate off loses (verify steps at 4x the rows) and goodput stays within
-5% of plain; where speculation loses at 64 even at p = 0.8 or 0.5, goodput turns it off.
+requests); the timed pass's verify and plain steps are counted, with the gate's verdict changes, the
+per-sequence acceptance pauses and the gate's estimated speed-up per batch bucket. Expected: at batch 1 and
+p = 0.8 both near the forced stage's ~2x; at p = 0.5 goodput near gate off (issue 14: it was 1.13x / 1.01x
+plain against 1.62x / 1.38x, turning drafting off); at p = 0, gate off loses and goodput stays within ~5% of
+plain; where speculation loses at 64 even at p = 0.8 or 0.5, goodput turns it off.
 
     OUT=dir python scripts/gpu_spec_gate.py [--batches 1,64] [--ps 0.8,0.0,0.5]
     python scripts/gpu_spec_gate.py --cpu-smoke     # toy preset on the CPU: the logic, no figures
@@ -53,7 +55,10 @@ def run(llm, prompts, output_len) -> dict:
     if spec is not None:
         r.update(verify_steps=spec.num_verify_steps - before[0], plain_steps=spec.num_plain_steps - before[1],
                  goodput_offs=spec.goodput.num_offs if spec.goodput else None,
-                 goodput_ons=spec.goodput.num_ons if spec.goodput else None)
+                 goodput_ons=spec.goodput.num_ons if spec.goodput else None,
+                 seq_pauses=spec.gate.num_pauses,  # per-sequence acceptance pauses (spec/adaptive.py), cumulative
+                 goodput_speedup={k: round(v, 3) for k in (spec.goodput.buckets if spec.goodput else ())
+                                  if (v := spec.goodput.speedup(k)) is not None})
     return r
 
 
@@ -118,7 +123,8 @@ def main() -> int:
                 result["runs"][f"p{p}_{gate}_b{b}"] = r
                 print(f"p={p} gate={gate:7s} b{b}: {r['output_tok_s']:.1f} tok/s = {r['speedup']:.2f}x plain; "
                       f"timed pass: {r['verify_steps']} verify / {r['plain_steps']} plain steps; goodput "
-                      f"offs/ons {r['goodput_offs']}/{r['goodput_ons']}", flush=True)
+                      f"offs/ons {r['goodput_offs']}/{r['goodput_ons']}; seq pauses {r['seq_pauses']}; gate's estimate "
+                      f"{r['goodput_speedup']}", flush=True)
         eng.spec = None
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)

@@ -389,9 +389,7 @@ class LLMEngine(StepReadback, StepIsolation):
         gate_sample = None
         if self.spec is not None and sampled:
             self.spec.count_step(verify)
-            if self.spec.step_drafting is not None and all(it.num_sampled and it.num_tokens == it.num_sampled
-                                                           for it in scheduled):
-                gate_sample = (self.spec.step_drafting, len(sampled))  # decode rows only: a goodput sample
+            gate_sample = self.spec.gate_sample(scheduled, len(sampled), verify, sync and self.async_scheduling)
         accepted = None
         if verify:
             forced = self.spec.forced_counts(sampled) if self.spec is not None else None

@@ -129,6 +129,20 @@ class SpecDecoder:
         else:
             self.num_plain_steps += 1
 
+    def gate_sample(self, scheduled: list, batch: int, verify: bool, held: bool) -> tuple[bool, int] | None:
+        """The goodput gate's sample of a step being launched: (drafting, decoding sequences), or None. Only a
+        decode-only step that costs what its mode costs: with drafting on, a step that verified drafts (one
+        whose sequences all had none, paused or their last token still in flight, is a plain step, and 1 token
+        at a plain step's cost would read as drafting that does not pay); with it off, a plain step that
+        overlaps the next (held: read back before the next is built, so its interval holds unoverlapped host
+        work, as the plain step before a probe does under async scheduling)."""
+        drafting = self.step_drafting
+        if drafting is None or drafting != verify or (held and not verify):
+            return None
+        if not all(it.num_sampled and it.num_tokens == it.num_sampled for it in scheduled):
+            return None  # a prompt chunk's cost is in it
+        return drafting, batch
+
     def on_read(self, gate_sample: tuple[bool, int] | None, num_accepted: int) -> None:
         """A launched step was read back, its sequences keeping num_accepted drafts in all. gate_sample: (drafting
         on, decoding sequences) of a decode-only step (InFlight.gate_sample), timed by after_step."""

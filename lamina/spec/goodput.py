@@ -11,7 +11,9 @@ What is measured is what the user sees: the interval between two consecutive ste
 own timestamps, after_step of SpecDecoder), attributed to the step read back in that interval. Under async
 scheduling a plain step is read back one call late, so a clean interval needs exactly one step read back in
 this call and at least one in the previous; the intervals around a switch between overlapped and synced
-steps are dropped (SpecDecoder does this). Steps holding a prompt chunk are not samples either.
+steps are dropped (SpecDecoder does this). Steps holding a prompt chunk are not samples either, nor a step
+with drafting on that verified no draft (its sequences paused or their last token in flight: a plain step's
+cost and 1 token, which read as drafting that does not pay), nor a plain step held for the next one's drafts.
 
 Per bucket (the number of decoding sequences rounded up to a power of two): an EWMA of the plain step's
 interval, and with drafting on an EWMA of the interval and of the tokens each sequence got from the step
@@ -47,16 +49,24 @@ class GoodputSettings:
     max_backoff: int = 16
     refresh_interval: int = 512  # a bucket's steps with drafting on before its plain cost is measured again
     outlier: float = 4.0  # a sample above this multiple of its average counts as this multiple (a GC pause)
+    # The tokens' spread before many samples: `prior_n` samples of this variance per sequence (over the batch)
+    # join the measured ones. A few identical samples do not show there is no spread: at acceptance 0.5 and
+    # K = 3 a sequence gets 1 token from 3 verify steps in a row 1 time in 8, and with 0 spread those read as
+    # a clear loss (a quarter of a token squared: about the spread of an acceptance of 0.2, near break-even).
+    prior_var: float = 0.25
+    prior_n: float = 3.0
 
 
 @dataclass
 class _Bucket:
     plain_dt: float | None = None  # EWMA seconds per plain step
     plain_n: int = 0  # plain samples since the plain average was (re)started
+    plain_first: list[float] | None = None  # its first min_samples samples (their median starts the average)
     spec_dt: float | None = None  # EWMA seconds per step with drafting on
     spec_tok: float | None = None  # EWMA tokens per sequence per step with drafting on
     spec_tok2: float | None = None  # ... and of their square (the samples' spread)
     spec_n: int = 0  # samples with drafting on since the last probe
+    spec_first: list[float] | None = None
     on: bool = False  # decided: drafting pays (else: measuring, or off)
     off_for: int = 0  # the bucket's steps left with drafting off
     backoff: int = 1
@@ -89,14 +99,14 @@ class GoodputGate:
         if b.off_for > 0:
             b.off_for -= 1
             if b.off_for == 0:  # probe: drafting back on, judged by fresh averages
-                b.spec_dt = b.spec_tok = b.spec_tok2 = None
+                b.spec_dt = b.spec_tok = b.spec_tok2 = b.spec_first = None
                 b.spec_n, b.probing = 0, True
                 log.info("speculative decoding: probing whether drafting pays at batch <= %d again", key)
             return b.off_for == 0
         if b.on:
             b.since_plain += 1
             if b.since_plain >= self.s.refresh_interval:  # plain cost drifts too: measure it again
-                b.plain_dt, b.plain_n, b.since_plain = None, 0, 0
+                b.plain_dt, b.plain_n, b.since_plain, b.plain_first = None, 0, 0, None
                 return False
         return True
 
@@ -109,19 +119,31 @@ class GoodputGate:
             return b.off_for == 1
         return not (b.on and b.since_plain + 1 >= self.s.refresh_interval)
 
-    def _avg(self, old: float | None, n: int, new: float, clamp: bool = False) -> float:
-        """The average after its (n+1)-th sample: a plain mean at first, then an EWMA. clamp: a time, whose
-        outliers (a GC pause, a compile) count as `outlier` times the average."""
+    def _avg(self, old: float | None, n: int, new: float) -> float:
+        """The average after its (n+1)-th sample: a plain mean at first, then an EWMA."""
         if old is None:
             return new
-        if clamp:
-            new = min(new, self.s.outlier * old)
         return old + max(self.s.alpha, 1.0 / (n + 1)) * (new - old)
 
-    def _spread(self, b: _Bucket) -> float:
-        """Two standard errors of the tokens' average (its samples' spread; an EWMA counts ~(2-a)/a of them)."""
+    def _time(self, old: float | None, n: int, first: list[float], new: float) -> float:
+        """A step time's average after its (n+1)-th sample. The median of the first min_samples (a switch's
+        first step, a compile or a GC pause among them moves a mean by a third of itself, easily enough to
+        turn a winner off), then an EWMA whose outliers count as `outlier` times the average."""
+        if n < self.s.min_samples:
+            first.append(new)
+            first.sort()
+            mid = len(first) // 2
+            return first[mid] if len(first) % 2 else 0.5 * (first[mid - 1] + first[mid])
+        return self._avg(old, n, min(new, self.s.outlier * old))
+
+    def _spread(self, key: int, b: _Bucket) -> float:
+        """Two standard errors of the tokens' average: its samples' spread, with prior_n samples of prior_var
+        per sequence (see GoodputSettings), over the samples (an EWMA counts ~(2-a)/a of them)."""
+        s = self.s
+        n = min(b.spec_n, (2.0 - s.alpha) / s.alpha)
         var = max(0.0, b.spec_tok2 - b.spec_tok * b.spec_tok)
-        return 2.0 * (var / min(b.spec_n, (2.0 - self.s.alpha) / self.s.alpha)) ** 0.5
+        var = (n * var + s.prior_n * s.prior_var / key) / (n + s.prior_n)
+        return 2.0 * (var / n) ** 0.5
 
     def record(self, drafting: bool, batch: int, seconds: float, tokens_per_seq: float = 1.0) -> None:
         """A clean step interval: `batch` sequences decoded in `seconds`, drafting on or off for the step,
@@ -129,14 +151,18 @@ class GoodputGate:
         key = bucket_of(batch)
         b = self.buckets.setdefault(key, _Bucket())
         if not drafting:
-            b.plain_dt = self._avg(b.plain_dt, b.plain_n, seconds, clamp=True)
+            if b.plain_first is None:
+                b.plain_first = []
+            b.plain_dt = self._time(b.plain_dt, b.plain_n, b.plain_first, seconds)
             b.plain_n += 1
             if b.plain_n == self.s.min_samples and b.on:  # a refresh: does drafting still pay?
                 self._judge(key, b)
             return
         if b.off_for > 0 or not self._ready_plain(b):  # a step launched before the verdict changed
             return
-        b.spec_dt = self._avg(b.spec_dt, b.spec_n, seconds, clamp=True)
+        if b.spec_first is None:
+            b.spec_first = []
+        b.spec_dt = self._time(b.spec_dt, b.spec_n, b.spec_first, seconds)
         b.spec_tok = self._avg(b.spec_tok, b.spec_n, tokens_per_seq)
         b.spec_tok2 = self._avg(b.spec_tok2, b.spec_n, tokens_per_seq * tokens_per_seq)
         b.spec_n += 1
@@ -152,7 +178,7 @@ class GoodputGate:
 
     def _judge(self, key: int, b: _Bucket) -> None:
         per_token = b.plain_dt / b.spec_dt  # speed-up per token each sequence gets from a step
-        ratio, spread = b.spec_tok * per_token, self._spread(b) * per_token
+        ratio, spread = b.spec_tok * per_token, self._spread(key, b) * per_token
         if b.probing:
             bar = 1.0 + self.s.margin
             clear = ratio - spread > bar or ratio + spread < bar or b.spec_n >= self.s.max_samples

@@ -9,6 +9,7 @@ import logging
 import msgspec
 import pytest
 from spec_helpers import GREEDY64, OracleProposer, all_free, make, outputs, spec_prompts
+from test_spec_goodput import FakeClock
 
 from lamina.engine.engine import EngineStats
 from lamina.engine.ipc import Codec, IterationStats, StepOutputs
@@ -24,9 +25,12 @@ def plain(checkpoints, one_thread):
 
 
 def _with(llm, proposer, **gate):
-    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "gate": "acceptance",
-                                    **gate})
-    llm.engine.spec = SpecDecoder(cfg, proposer)
+    """The per-sequence gate alone: the goodput gate's clock makes a verify step cost half a plain one, so
+    drafting always pays batch-wide (the batch gate of "acceptance" pauses every sequence first)."""
+    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, **gate})
+    clock = FakeClock(lambda rows, verify: 0.5e-3 if verify else 1e-3)
+    llm.engine.spec = SpecDecoder(cfg, proposer, clock=clock)
+    clock.install(llm)
     return llm
 
 
@@ -40,8 +44,9 @@ def test_wrong_drafts_pause_speculation(checkpoints, plain, caplog):
     with caplog.at_level(logging.INFO, logger="lamina"):
         assert outputs(llm, ps, GREEDY64) == ref
     st = llm.engine.stats()
-    # min_verifies (4) verify steps each, then 64 steps without drafts: the rest of the 64 tokens
-    assert 4 * len(ps) <= st.num_spec_drafts <= 5 * len(ps)
+    # 7 verify steps each (AcceptanceGate's prior of K/2 accepted: 4, min_verifies, were too few to tell a
+    # drafter that never matches from one accepting half its first drafts), then 64 steps without drafts
+    assert 7 * len(ps) <= st.num_spec_drafts <= 8 * len(ps)
     assert st.num_spec_accepted_tokens == 0
     assert st.num_spec_pauses == len(ps)
     assert "paused drafting" in caplog.text
