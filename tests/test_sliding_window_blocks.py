@@ -32,8 +32,8 @@ def track_peak(llm: LLM) -> list[int]:
     a, peak = llm.engine.allocator, [0]
     allocate = a.allocate
 
-    def counted(n):
-        out = allocate(n)
+    def counted(n, after=None):
+        out = allocate(n, after=after)
         peak[0] = max(peak[0], a.num_blocks - a.num_free)
         return out
 

@@ -35,8 +35,8 @@ def track_peak(a: BlockAllocator) -> list[int]:
     peak = [0]
     allocate = a.allocate
 
-    def counted(n):
-        out = allocate(n)
+    def counted(n, after=None):
+        out = allocate(n, after=after)
         peak[0] = max(peak[0], a.num_blocks - a.num_free)
         return out
 

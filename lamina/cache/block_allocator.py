@@ -24,31 +24,47 @@ class BlockAllocator:
         num_blocks -= int(reserve_null)
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
+        # Free (never-cached) blocks: the deque gives the order, the set the truth; a block taken out of order
+        # (allocate's `after`) stays in the deque until popped, and popping skips what the set no longer holds.
         self._free: deque[int] = deque(range(num_blocks))
+        self._free_set: set[int] = set(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return len(self._free_set) + len(self._evictable)
 
     @property
     def num_cached(self) -> int:
         return len(self._hash_of)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """n blocks. after: the sequence's last block; the blocks right after it are taken first while free, so
+        a sequence's table stays one run of the pool where it can (the CPU attention then reads it in place)."""
         if n > self.num_free:
             raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
         blocks = []
         for _ in range(n):
-            if self._free:
+            nxt = None if after is None else after + 1
+            if nxt is not None and nxt in self._free_set:
+                b = nxt
+                self._free_set.discard(b)
+            elif self._free_set:
                 b = self._free.popleft()
+                while b not in self._free_set:  # taken out of order earlier
+                    b = self._free.popleft()
+                self._free_set.discard(b)
             else:  # evict the least recently used cached block
                 b, _ = self._evictable.popitem(last=False)
                 del self._by_hash[self._hash_of.pop(b)]
             self.ref_counts[b] = 1
             blocks.append(b)
+            after = b
+        if len(self._free) > 2 * len(self._free_set) + 64:  # stale entries of out-of-order takes: drop them
+            seen: set[int] = set()
+            self._free = deque(b for b in self._free if b in self._free_set and not (b in seen or seen.add(b)))
         return blocks
 
     def share(self, block: int) -> None:
@@ -71,6 +87,7 @@ class BlockAllocator:
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
+                    self._free_set.add(b)
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self._by_hash.get(block_hash)
@@ -84,6 +101,7 @@ class BlockAllocator:
                 if self.ref_counts[b] == 0:
                     del self._evictable[b]
                     self._free.append(b)
+                    self._free_set.add(b)
 
     def register(self, block: int, block_hash: bytes) -> None:
         """Makes a full, computed block findable by its content hash (first writer wins)."""

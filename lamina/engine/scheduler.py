@@ -95,7 +95,7 @@ class Scheduler(DraftScheduling):
             return True
         if need > self.allocator.num_free or (wg is not None and not wg.fits(seq, len(seq.block_table) + need)):
             return False
-        seq.block_table += self.allocator.allocate(need)
+        seq.block_table += self.allocator.allocate(need, after=seq.block_table[-1] if seq.block_table else None)
         if wg is not None:
             wg.grow(seq, len(seq.block_table))
         return True

@@ -38,8 +38,8 @@ def test_long_decode_under_graphs_matches_hf(ckpt):
     w = llm.engine.window_group.allocator
     peak, allocate = [0], w.allocate
 
-    def counted(n):
-        out = allocate(n)
+    def counted(n, after=None):
+        out = allocate(n, after=after)
         peak[0] = max(peak[0], w.num_blocks - w.num_free)
         return out
 

@@ -67,9 +67,10 @@ def applies(layer, x: torch.Tensor) -> bool:
     from lamina.models.layers.attention import Attention
     from lamina.models.layers.mlp import GatedMLP
 
-    return (bool(fusions()) and type(layer.self_attn) is Attention
+    # Cheapest first: the CPU path asks this per layer per step (the GEMV dispatcher is None unless switched on).
+    return (type(layer.self_attn) is Attention and layer.self_attn.qkv_proj.gemv is not None
             and type(layer.mlp) is GatedMLP and type(layer.input_layernorm) is RMSNorm
-            and type(layer.post_attention_layernorm) is RMSNorm
+            and type(layer.post_attention_layernorm) is RMSNorm and bool(fusions())
             and layer.self_attn.qkv_proj.takes_prologue(x))
 
 
