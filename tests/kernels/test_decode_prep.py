@@ -45,8 +45,8 @@ def test_prep_attention_matches_prep_then_attention(splits, norm, fp8):
     ws = [(torch.rand(d, generator=gen) + 0.5).to(dtype) for _ in range(2)] if norm else [None, None]
     fl = [w.float() if w is not None else None for w in ws]
     rkc, rvc = (kc.clone(), vc.clone()) if fp8 else (kc.float().clone(), vc.float().clone())
-    ref = prep_attention_ref(q.float(), k.float(), v.float(), pos, table, rkc, rvc, meta_on("cpu"), d ** -0.5, None, None,
-                             *fl, 1e-6, 0.0)
+    ref = prep_attention_ref(q.float(), k.float(), v.float(), pos, table, rkc, rvc, meta_on("cpu"), d ** -0.5, None,
+                             None, *fl, 1e-6, 0.0)
     gkc, gvc = kc.to(DEV), vc.to(DEV)
     dv = [t.to(DEV) if t is not None else None for t in ws]
     out = prep_attention(q.to(DEV), k.to(DEV), v.to(DEV), pos.to(DEV), table.to(DEV), gkc, gvc, meta_on(DEV), d ** -0.5,
