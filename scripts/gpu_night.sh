@@ -30,6 +30,12 @@ sel structured && stage structured ${ST_S:-270} bash scripts/gpu_vllm.sh structu
 # Python's 5 ms switch interval and with the batch accept on the loop too.
 sel struct6 && stage struct6 ${ST6_S:-300} env FILLS=${ST6_FILLS:-default,pipesw} REPEATS=${ST6_REPEATS:-2} \
   bash scripts/gpu_vllm.sh structured
+# Issue 16 (struct7): as struct6 (~4.5 min), the default fill against JSON whitespace bounded on the host with the
+# pipe (wspipe: LAMINA_JSON_WHITESPACE_ON_HOST=1, structured/whitespace.py: the grammar's bound made each fill ~4x
+# dearer; LAMINA_GRAMMAR_FILL_PIPE=1), switched inside one server. ST7_FILLS=default,ws,wspipe,wsnofill ST7_S=540:
+# the host bound with the default fill and with every fill on the loop (one xgrammar thread) too.
+sel struct7 && stage struct7 ${ST7_S:-300} env FILLS=${ST7_FILLS:-default,wspipe} REPEATS=${ST7_REPEATS:-2} \
+  bash scripts/gpu_vllm.sh structured
 sel families && stage families ${FAM_S:-300} python3 scripts/gpu_families_bench.py --budget-s $(( ${FAM_S:-300} - 10 )) \
   ${FAM_ONLY:+--only $FAM_ONLY}
 # Issue 15's kernel targets (batch-1 decode FP8 / W4A16 / Q4_K vs bf16, FP8 prefill MFU, FP8 KV attention,

@@ -134,12 +134,20 @@ def _install(path: str, sync: bool) -> None:
 
     manager.StructuredOutputManager.__init__ = init_rec
     control = path + ".variant"
+    ws_base = compiler.whitespace_on_host()
 
     def apply_variant() -> None:  # the driver's choice for the next run (VARIANTS), on the first step after idle
         try:
             attrs = json.loads(Path(control).read_text())
         except (OSError, ValueError):
             return
+        ws = bool(attrs.pop("ws_on_host", ws_base))
+        if ws != compiler.whitespace_on_host():  # the grammars compile again (the switch's first requests wait)
+            os.environ[compiler.ENV_WS_ON_HOST] = "1" if ws else "0"
+            for m in managers:
+                if m._compiler is not None:
+                    m._compiler.close()
+                    m._compiler = None
         for m in managers:
             f = m._filler
             base = originals.setdefault(id(f), {k: getattr(f, k, None) for k in (

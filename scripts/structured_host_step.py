@@ -10,6 +10,7 @@ Per phase, us per step on the step loop's thread (median over steps): accept, ma
 
   python scripts/structured_host_step.py [--rows 64] [--steps 200] [--busy-us 1500] [--tokenizer DIR]
       [--release-us 20] [--pipe] [--accept-on-loop] [--no-wait-start] [--switch-us 200]
+      [--fill-switch-us 200] [--min-rows 1] [--work]
 
 --pipe: structured/fill_pipe.py (LAMINA_GRAMMAR_FILL_PIPE); --accept-on-loop, --no-wait-start and
 --fill-switch-us set the filler's other knobs (structured/fill.py).
@@ -21,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,6 +50,29 @@ def busy(us: float, release_us: float = 0.0) -> None:
 _SMALL = torch.zeros(4)
 
 
+def busy_work(chunks: int, release_every: int = 0) -> None:
+    """A fixed amount of Python (chunks of 50 additions; a small torch op every release_every chunks): time
+    the worker takes the interpreter lock from the step loop lengthens it, as it lengthens the batch build."""
+    x, t = 0, _SMALL
+    for c in range(chunks):
+        for i in range(50):
+            x += i
+        if release_every and c % release_every == 0:
+            t = t.add(1)
+
+
+def calibrate(us: float, release_us: float) -> tuple[int, int]:
+    """(chunks, release_every) for busy_work to take about us (and a torch op every release_us) alone."""
+    n = 2000
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        busy_work(n)
+        best = min(best, time.perf_counter() - t)
+    per_us = n / (best * 1e6)
+    return max(1, round(us * per_us)), round(release_us * per_us) if release_us > 0 else 0
+
+
 def pick(row: np.ndarray, rng: np.random.Generator, stop: set[int]) -> int:
     bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB]
     allowed = np.flatnonzero(bits)
@@ -69,6 +94,9 @@ def main() -> None:
     ap.add_argument("--accept-on-loop", action="store_true", help="LAMINA_GRAMMAR_FILL_ACCEPT_ON_LOOP")
     ap.add_argument("--no-wait-start", action="store_true", help="LAMINA_GRAMMAR_FILL_WAIT_START=0")
     ap.add_argument("--fill-switch-us", type=float, default=None, help="LAMINA_GRAMMAR_FILL_SWITCH_US")
+    ap.add_argument("--work", action="store_true", help="busy: a fixed amount of Python work calibrated to "
+                    "--busy-us alone, not a wall-clock span (the worker's lock-holding shows as a longer busy)")
+    ap.add_argument("--min-rows", type=int, default=None, help="LAMINA_GRAMMAR_FILL_MIN_ROWS")
     ap.add_argument("--count", action="store_true", help="count the step loop's calls (Python and C) per phase")
     ap.add_argument("--result-file", default=None)
     args = ap.parse_args()
@@ -87,7 +115,8 @@ def main() -> None:
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     mgr = StructuredOutputManager(tok, VOCAB, stop, torch.device("cpu"))
     mgr._filler = MaskFiller(args.threads, pipe=args.pipe, accept_on_loop=args.accept_on_loop,
-                             wait_start=not args.no_wait_start, switch_us=args.fill_switch_us)
+                             wait_start=not args.no_wait_start, switch_us=args.fill_switch_us,
+                             min_rows=args.min_rows)
     spec = StructuredOutputsParams(json=json.loads(Path(args.schema).read_text()))
     compiled = mgr.compiler.compile(spec)
     assert isinstance(mgr.compiler, GrammarCompilerService)
@@ -95,6 +124,11 @@ def main() -> None:
     seqs = [SimpleNamespace(finished=False, grammar=GrammarState(compiled), params=params, draft_token_ids=[],
                             output_token_ids=[]) for _ in range(args.rows)]
     rng = np.random.default_rng(0)
+    if args.work:
+        chunks, every = calibrate(args.busy_us, args.release_us)
+        busy_fn = partial(busy_work, chunks, every)
+    else:
+        busy_fn = partial(busy, args.busy_us, args.release_us)
     stops = set(stop)
     tokens = [None] * args.rows
     times: dict[str, list[float]] = {k: [] for k in ("accept", "mask_start", "busy", "mask_result", "step")}
@@ -117,7 +151,7 @@ def main() -> None:
             pending = mgr.start_bitmask(seqs, offsets)
             c2 = calls[0]
             sys.setprofile(None)
-            busy(args.busy_us, args.release_us)
+            busy_fn()
             c3 = calls[0]
             sys.setprofile(prof)
             mask = pending.result()
@@ -138,7 +172,7 @@ def main() -> None:
         t1 = time.perf_counter()
         pending = mgr.start_bitmask(seqs, offsets)
         t2 = time.perf_counter()
-        busy(args.busy_us, args.release_us)
+        busy_fn()
         t3 = time.perf_counter()
         mask = pending.result()
         t4 = time.perf_counter()
@@ -157,7 +191,7 @@ def main() -> None:
         mgr.close()
         return
     med = {k: statistics.median(v) for k, v in times.items()}
-    med["extra"] = med["step"] - med["busy"]
+    med["extra"] = med["step"] - args.busy_us  # --work: busy itself grows by what the worker took
     q = {k: (statistics.quantiles(v, n=10)[0], statistics.quantiles(v, n=10)[-1]) for k, v in times.items()}
     f = mgr._filler
     print(f"rows={args.rows} steps={args.steps} busy_us={args.busy_us} release_us={args.release_us} "

@@ -49,7 +49,12 @@ SCHEMA = "scripts/schemas/bench_items.json"
 # while a fill is pending, pipeloop with the batch accept on the loop.
 VARIANTS = {"default": {}, "loop": {"accept_on_loop": True, "wait_start": False, "switch_us": 200.0, "min_rows": 1},
             "min1": {"min_rows": 1}, "nofill": {"threads": 0}, "pipe": {"pipe": True},
-            "pipesw": {"pipe": True, "switch_us": 200.0}, "pipeloop": {"pipe": True, "accept_on_loop": True}}
+            "pipesw": {"pipe": True, "switch_us": 200.0}, "pipeloop": {"pipe": True, "accept_on_loop": True},
+            # the pipe with even one row in the background; JSON whitespace bounded on the host
+            # (LAMINA_JSON_WHITESPACE_ON_HOST, structured/whitespace.py: the core's compiler is rebuilt on a switch)
+            # with the default fill, the pipe, or every fill on the loop (one xgrammar thread)
+            "pipe1": {"pipe": True, "min_rows": 1}, "ws": {"ws_on_host": True},
+            "wspipe": {"ws_on_host": True, "pipe": True}, "wsnofill": {"ws_on_host": True, "threads": 0}}
 
 
 def _serve_child(argv: list[str], path: str, sync: bool) -> int:

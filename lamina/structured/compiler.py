@@ -5,6 +5,7 @@ loop never waits on it (a request waits, outside the scheduler, until its gramma
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -18,6 +19,17 @@ _NOISE = re.compile(r"^\[[\d:]+\] \S+: (Check failed: .*? is false: )?")
 # Whitespace the JSON grammar allows between tokens: unbounded runs let a small model loop on spaces.
 MAX_JSON_WHITESPACE = 8
 CACHE_SIZE = 256  # compiled grammars kept (LRU); a schema of a hot tool set compiles once
+ENV_WS_ON_HOST = "LAMINA_JSON_WHITESPACE_ON_HOST"  # 1: the run bound on the host (structured/whitespace.py)
+
+
+def whitespace_on_host() -> bool:
+    """LAMINA_JSON_WHITESPACE_ON_HOST=1: JSON grammars with unbounded whitespace, runs ended by the engine."""
+    return os.environ.get(ENV_WS_ON_HOST, "0").strip() not in ("", "0")
+
+
+def host_bounds_whitespace(spec: StructuredOutputsParams) -> bool:
+    """Whether this constraint's whitespace runs are bounded on the host (JSON with any whitespace, opt-in)."""
+    return spec.kind in ("json", "json_object") and not spec.disable_any_whitespace and whitespace_on_host()
 
 
 def _reason(exc: Exception) -> str:
@@ -46,6 +58,8 @@ def build_grammar(spec: StructuredOutputsParams):
 
     kind = spec.kind
     ws = {"any_whitespace": not spec.disable_any_whitespace, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+    if host_bounds_whitespace(spec):  # the bound costs the fill ~4x (structured/whitespace.py)
+        del ws["max_whitespace_cnt"]
     try:
         if kind == "json":
             return xg.Grammar.from_json_schema(_schema_text(spec.json), strict_mode=spec.strict, **ws)
@@ -82,6 +96,7 @@ class GrammarCompilerService:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lamina-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self.ws_tables = None  # structured/whitespace.py's, made with the compiler when the bound is on the host
 
     def check(self, spec: StructuredOutputsParams) -> None:
         build_grammar(spec)
@@ -112,6 +127,10 @@ class GrammarCompilerService:
 
             info = xg.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                      stop_token_ids=self._stop or None)
+            if whitespace_on_host():  # before the compiler: a state attached after its grammar compiled finds it
+                from lamina.structured.whitespace import WhitespaceTables
+
+                self.ws_tables = WhitespaceTables(info.decoded_vocab, self.vocab_size)
             self._compiler = xg.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
         return self._compiler.compile_grammar(build_grammar(spec))
 

@@ -21,9 +21,10 @@ import torch
 from lamina.engine.request import RequestGroup, Sequence
 from lamina.sampling_params import SamplingParams
 from lamina.structured.bitmask import ALL_ALLOWED, BitmaskBuffers
-from lamina.structured.compiler import GrammarCompilerService, build_grammar
+from lamina.structured.compiler import GrammarCompilerService, build_grammar, host_bounds_whitespace
 from lamina.structured.fill import MaskFiller, PendingFill
 from lamina.structured.state import GrammarState
+from lamina.structured.whitespace import MAX_RUN, ban_long_runs
 
 log = logging.getLogger("lamina")
 IDLE_WAIT_S = 0.005  # how long an engine with nothing else to run waits for a grammar per step
@@ -92,6 +93,11 @@ class StructuredOutputManager:
         self._filler = MaskFiller()  # the fill's threads (LAMINA_GRAMMAR_FILL_THREADS), made on first use
 
     @property
+    def _ws(self) -> bool:
+        """Some grammar may have its whitespace bounded on the host (structured/whitespace.py)."""
+        return self._compiler is not None and self._compiler.ws_tables is not None
+
+    @property
     def compiler(self):
         if self._compiler is None:
             if self.tokenizer is None:
@@ -127,10 +133,11 @@ class StructuredOutputManager:
         self._held[group.request_id] = _Held(group, fut)
         return True
 
-    @staticmethod
-    def _attach(group: RequestGroup, compiled) -> None:
+    def _attach(self, group: RequestGroup, compiled) -> None:
+        spec = group.seqs[0].params.structured_outputs
+        ws = self.compiler.ws_tables if host_bounds_whitespace(spec) else None
         for seq in group.seqs:
-            seq.grammar = GrammarState(compiled)
+            seq.grammar = GrammarState(compiled, ws)
 
     def ready(self, idle: bool) -> list[tuple[RequestGroup, str | None]]:
         """Held groups whose grammar is done: (group, None) with states attached, or (group, error).
@@ -180,7 +187,8 @@ class StructuredOutputManager:
             host = self._buffers.host(count, blank=False)  # the batch fill writes every row
             fill_rows = list(range(count))
             fill = self._filler.start(host, fast, fill_rows, [], count, background)
-            return PendingMask(self, host, fill_rows, True, fill, [])
+            long = [(i, g) for i, g in enumerate(fast) if g.ws is not None and g.ws_run >= MAX_RUN] if self._ws else ()
+            return PendingMask(self, host, fill_rows, True, fill, [], long)
         runs = []  # (first row, row count, sequence, its multi-token bad words) of the rows to mask
         r, total = 0, len(rows)
         while r < total:
@@ -200,6 +208,7 @@ class StructuredOutputManager:
         # the 1.2 MB memset at 64 rows was host_buf ~205 us a step on the H200 host.
         host = self._buffers.host(count, blank=False)
         states, fill_rows, jobs, bans, logit_rows = [], [], [], [], []  # bans: (row, token) of bad words
+        long = []  # (row, grammar state) of rows at the end of a long whitespace run (structured/whitespace.py)
         h = 0
         for r, n, seq, words in runs:
             logit_rows.extend(range(r, r + n))
@@ -211,13 +220,16 @@ class StructuredOutputManager:
                 host[h:h + n].numpy().fill(ALL_ALLOWED)  # roll back); a state that ends leaves it all ones
                 if grammar is not None and not grammar.done:
                     jobs.append(partial(grammar.fill, host, h, list(seq.draft_token_ids), n))
+            if grammar is not None and grammar.ws is not None and not grammar.done:
+                long.extend((h + j, grammar) for j in range(n)
+                            if grammar.ws.run_after(grammar.ws_run, seq.draft_token_ids[:j]) >= MAX_RUN)
             if words:
                 out = seq.output_token_ids
                 for j in range(n):
                     bans.extend((h + j, t) for t in _bad_word_bans(out + seq.draft_token_ids[:j], words))
             h += n
         fill = self._filler.start(host, states, fill_rows, jobs, count, background)
-        return PendingMask(self, host, logit_rows, count == len(rows), fill, bans)
+        return PendingMask(self, host, logit_rows, count == len(rows), fill, bans, long)
 
     def close(self) -> None:
         """Stops the fill threads (they are made again if needed)."""
@@ -229,13 +241,16 @@ class PendingMask:
     starts the host-to-device copies; cancel() only waits (a step that failed before sampling)."""
 
     def __init__(self, manager: StructuredOutputManager, host: torch.Tensor, logit_rows: list[int], every: bool,
-                 fill: PendingFill, bans: list[tuple[int, int]]) -> None:
+                 fill: PendingFill, bans: list[tuple[int, int]], long=()) -> None:
         self._buffers = manager._buffers
         self.host, self.logit_rows, self.every = host, logit_rows, every
-        self._fill, self._bans = fill, bans
+        self._fill, self._bans, self._long = fill, bans, long
 
     def result(self) -> StepMask:
         self._fill.wait()
+        if self._long:  # after the fill (whole rows written); a state that ended meanwhile keeps its all-ones row
+            live = [(r, g.ws) for r, g in self._long if not g.done]
+            ban_long_runs(self.host, [r for r, _ in live], [w for _, w in live])
         for row, t in self._bans:  # after the fill, which writes whole rows
             _ban(self.host, row, t)
         rows = None if self.every else self._buffers.rows_to_device(self.logit_rows)

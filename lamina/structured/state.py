@@ -25,7 +25,7 @@ class GrammarState:
     `done` (broken, or a stop token accepted) is known without the queued tokens; `terminated` takes them.
     """
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, compiled, ws=None) -> None:
         import xgrammar as xg
 
         self.matcher = xg.GrammarMatcher(compiled)
@@ -35,6 +35,10 @@ class GrammarState:
         self.num_accepted = 0
         self.broken = False
         self.done = False  # broken or terminated, as of the tokens the matcher has taken
+        # JSON whitespace bounded on the host (structured/whitespace.py): its tables, and the output's trailing
+        # run of whitespace, kept as tokens are pushed (the matcher need not have taken them)
+        self.ws = ws
+        self.ws_run = 0
 
     @property
     def terminated(self) -> bool:
@@ -45,6 +49,9 @@ class GrammarState:
     def push(self, token: int) -> None:
         """Queues a read-back token; the matcher takes it at the next flush (the next mask's fill)."""
         self.pending.append(token)
+        if self.ws is not None:
+            s = self.ws.step[token] if 0 <= token < len(self.ws.step) else 0
+            self.ws_run = self.ws_run - s if s < 0 else s
 
     def flush(self) -> None:
         """Gives the queued tokens to the matcher, one call each."""
@@ -55,6 +62,8 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Accepts a token now (after the queued ones); False if the grammar rejected it."""
         self.flush()
+        if self.ws is not None:
+            self.ws_run = self.ws.run_after(self.ws_run, (token,))
         return self._take(token)
 
     def _take(self, token: int) -> bool:
