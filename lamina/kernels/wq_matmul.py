@@ -86,7 +86,9 @@ class CpuInt4Pack:
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] (any float dtype) -> [M, N] in x2's dtype."""
-        return self.matmul_bf16(x2.to(torch.bfloat16).contiguous()).to(x2.dtype)
+        xb = x2.to(torch.bfloat16)
+        y = self.matmul_bf16(xb if xb.is_contiguous() else xb.contiguous())
+        return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
 
     def matmul_bf16(self, xb: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self.scale_zeros)
@@ -149,7 +151,8 @@ def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs
     decode-GEMV copy (triton_wq_gemv_kn.KnWeight). On CUDA wq_dispatch picks the kernel per M (its table)."""
     if perm is not None:
         x = x.index_select(-1, perm)
-    x2 = x.reshape(-1, x.shape[-1])
+    # 2-D x (every decode step's): no reshape or view, each an aten call of ~1 us on the CPU's per-op path
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if use_triton(x2) and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from lamina.kernels.wq_dispatch import process_dispatcher
 
@@ -162,4 +165,4 @@ def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs
         y = F.linear(x2, dequantize(qweight, scales, offsets, bits, x2.dtype))
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
