@@ -61,10 +61,9 @@ DECODE_TABLE: dict[tuple[str, int, str], DecodeConfig] = {
     ("16", 256, "wide"): DecodeConfig(1, 32, 4, 2, False),
     # FP8 cache (16-bit q): tokens per step doubled where that keeps bf16's shared memory and occupancy (V is
     # staged as f16 for the PV dot, so a 128-token FP8 step takes the 72 KB a 128-token bf16 step does). ptxas
-    # (scripts/ptxas_decode_attention.py --fp8): split and wide 114 registers / 104 KB (2 CTAs). Timed on an
-    # H100 (2026-12-07, scripts/gpu_kv_attention.py, Hq 32 / Hkv 8 / D 128): split (64 x 4k) 231 us and wide
-    # (1 x 32k) 38.8 us, as good as any swept tile; direct (256 x 800) took 64 tokens, 4 warps, 3 stages, ids
-    # ahead: 193.5 us against 231.5 for the 128 x 8 x 2 it had (bf16 cache: 292.6).
+    # (--fp8): split/wide 114 registers / 104 KB. H100 (2026-12-07, gpu_kv_attention.py, Hq 32 Hkv 8 D 128):
+    # split (64 x 4k) 231 us, wide (1 x 32k) 38.8, as good as any swept tile; direct (256 x 800) 193.5 us with
+    # this tile against 231.5 with 128 x 8 warps x 2 stages (bf16 cache: 292.6).
     ("8", 128, "direct"): DecodeConfig(1, 64, 4, 3, True),
     ("8", 128, "split"): DecodeConfig(1, 128, 8, 3, True),
     ("8", 128, "wide"): DecodeConfig(1, 128, 8, 3, True),
@@ -353,8 +352,7 @@ def decode_v2(q, k_cache, v_cache, out, meta, scalars: tuple[float, float, int, 
     g, b = hq // hkv, meta.num_seqs
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     sms = device_sms(q.device)
-    # An FP8 cache takes the table's FP8 rows; V read as words only under LAMINA_FP8_V_WORDS=1 (H100,
-    # 2026-12-07: words 232.9 / 232.9 / 38.6 us against plain 231.2 / 231.5 / 38.8 at 64 x 4k, 256 x 800, 1 x 32k).
+    # An FP8 cache takes the table's FP8 rows; V as words only under LAMINA_FP8_V_WORDS=1 (no gain: fp8_words_wanted)
     kv8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = dataclasses.replace(decode_config(q.dtype, max(block_d, block_dv), b, hkv, sms, kv8),
                               **{"v_words": kv8 and fp8_words_wanted(), **(tune or {})})
